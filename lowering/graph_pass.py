@@ -1,0 +1,190 @@
+"""The post-grad pass: the one place where ``mla.paged_decode`` nodes are replaced.
+
+For each call it reads the fake arguments, asks ``select_backend`` which backend runs it, and puts in
+its place either that backend's op or, for backends without one (the reference), the backend's Python
+implementation traced into aten ops, which Inductor then generates as ordinary code.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
+
+import mla_inductor
+from mla_inductor.backends import availability, get_backend
+from mla_inductor.contract import DecodeProblem, check_decode_args
+from mla_inductor.selection import select_backend, user_preference
+
+log = logging.getLogger(__name__)
+
+DECODE_ARG_NAMES = ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "softmax_scale", "kv_scale",
+                    "sparse_indices")
+_DECODE_OPS = {
+    torch.ops.mla.paged_decode.default: False,  # op -> returns lse too
+    torch.ops.mla.paged_decode_with_lse.default: True,
+}
+
+
+def _bind_decode_args(args: tuple, kwargs: dict) -> list[Any]:
+    bound = list(args) + [None] * (len(DECODE_ARG_NAMES) - len(args))
+    for name, value in kwargs.items():
+        bound[DECODE_ARG_NAMES.index(name)] = value
+    return bound
+
+
+def _fake(value: Any) -> Any:
+    return value.meta["val"] if isinstance(value, torch.fx.Node) else value
+
+
+def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+    from mla_inductor.backends import device_capability
+
+    return device_capability(device)
+
+
+@dataclass(frozen=True)
+class Decision:
+    problem: DecodeProblem
+    capability: Optional[tuple[int, int]]
+    backend: str
+    reasons: tuple[str, ...]
+
+
+_decisions: dict[Decision, None] = {}  # ordered set
+
+
+def decisions() -> list[Decision]:
+    """Every distinct backend choice the pass made in this process, in order."""
+    return list(_decisions)
+
+
+def _log_decision(problem, capability, selection) -> None:
+    key = Decision(problem, capability, selection.backend, selection.reasons)
+    if key not in _decisions:
+        _decisions[key] = None
+        skipped = f" (passed over: {'; '.join(selection.reasons)})" if selection.reasons else ""
+        log.info("mla.paged_decode %s on capability %s -> %s%s", problem, capability, selection.backend, skipped)
+
+
+def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
+    """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
+    op = backend.compiled_op()
+
+    def replacement(*tensors):
+        full = [None] * len(DECODE_ARG_NAMES)
+        for i, value in constants.items():
+            full[i] = value
+        for i, value in zip(node_positions, tensors):
+            full[i] = value
+        out, lse = op(*full) if op is not None else backend.decode(*full)
+        return (out, lse) if with_lse else out
+
+    return replacement
+
+
+def _lower_decode_call(match: Match, *args, **kwargs) -> None:
+    node = match.nodes[0]
+    with_lse = _DECODE_OPS[node.target]
+    bound = _bind_decode_args(args, kwargs)
+    fake = [_fake(a) for a in bound]
+    problem = check_decode_args(*fake)
+    capability = _capability(fake[0].device)
+    selection = select_backend(problem, capability)
+    _log_decision(problem, capability, selection)
+    node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
+    constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
+    replacement = _replacement(get_backend(selection.backend), with_lse, constants, node_positions)
+    match.replace_by_example(replacement, [bound[i] for i in node_positions])
+
+
+@functools.cache
+def _decode_patterns() -> PatternMatcherPass:
+    patterns = PatternMatcherPass(pass_name="mla_inductor_lowering")
+    for op in _DECODE_OPS:
+        register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(_lower_decode_call)
+    return patterns
+
+
+def _environment_key() -> str:
+    """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
+    parts = [f"preference={user_preference()}", f"available={sorted(availability().items())}"]
+    for lib in ("flashinfer", "flash_mla", "vllm", "triton"):
+        try:
+            parts.append(f"{lib}={__import__(lib).__version__}")
+        except Exception:  # noqa: BLE001 - absent or broken libraries are part of the key as such
+            parts.append(f"{lib}=absent")
+    if torch.cuda.is_available():
+        parts.append(f"gpu={torch.cuda.get_device_name()} sm={torch.cuda.get_device_capability()}")
+    return "|".join(parts)
+
+
+@functools.cache
+def _source_hash() -> bytes:
+    roots = [Path(mla_inductor.__file__).parent, Path(__file__).parent]
+    files = sorted({p for root in roots for p in root.rglob("*.py")})
+    return get_hash_for_files(tuple(files))
+
+
+class MLALoweringPass(CustomGraphPass):
+    """Inductor post-grad pass rewriting ``mla.paged_decode(_with_lse)`` into the selected backend.
+
+    ``uuid()`` covers this package's source, the user's backend preference and the backend environment,
+    so the FX graph cache never serves a graph compiled for another choice.
+    """
+
+    def __init__(self, previous: Optional[Any] = None):
+        self.previous = previous  # the post-grad pass(es) the user had installed before us
+
+    def _previous_passes(self) -> list:
+        if self.previous is None:
+            return []
+        # torch >= 2.13 also accepts a list of passes here; 2.11 takes exactly one.
+        return list(self.previous) if isinstance(self.previous, (list, tuple)) else [self.previous]
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for previous in self._previous_passes():
+            previous(graph)
+        if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
+            _decode_patterns().apply(graph)
+            graph.eliminate_dead_code()
+
+    def uuid(self) -> Optional[Any]:
+        previous = []
+        for p in self._previous_passes():
+            uuid = p.uuid() if isinstance(p, CustomGraphPass) else None
+            if not uuid:
+                return None  # an unhashable user pass: Inductor must not cache
+            previous.append(uuid)
+        h = hashlib.sha256(_source_hash())
+        h.update(_environment_key().encode())
+        h.update(repr(previous).encode())
+        return h.hexdigest()
+
+
+def installed_pass() -> Optional[MLALoweringPass]:
+    current = inductor_config.post_grad_custom_post_pass
+    return current if isinstance(current, MLALoweringPass) else None
+
+
+def install() -> MLALoweringPass:
+    """Make our pass Inductor's post-grad custom pass (idempotent; keeps a user's pass, run first)."""
+    current = installed_pass()
+    if current is None:
+        current = MLALoweringPass(previous=inductor_config.post_grad_custom_post_pass)
+        inductor_config.post_grad_custom_post_pass = current
+    return current
+
+
+def uninstall() -> None:
+    current = installed_pass()
+    if current is not None:
+        inductor_config.post_grad_custom_post_pass = current.previous

@@ -1,0 +1,80 @@
+"""Kernel backends: one file each, the same small interface, looked up by name.
+
+A backend answers three questions and does one thing:
+
+- ``unavailable_reason()``: None when its library and hardware are present, else why not.
+- ``supports(problem, capability)``: None when it can run this call (``DecodeProblem``, the device's
+  compute capability or None on CPU), else a one-line reason. Cheap, pure: the selection table and the
+  Inductor pass call it on fake arguments.
+- ``compiled_op()``: the op the Inductor pass puts in place of ``mla.paged_decode_with_lse`` (same
+  arguments, returns ``(out, lse)``), or None to have the pass trace ``decode`` into aten ops.
+- ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
+  run the call eagerly; returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
+
+Backend modules import their libraries lazily, so ``import mla_inductor`` needs none of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Optional
+
+import torch
+
+from mla_inductor.contract import DecodeProblem
+
+# name -> module defining BACKEND; order does not matter here, the selection table decides.
+BACKEND_MODULES = {
+    "reference": "mla_inductor.backends.reference",
+}
+
+
+class Backend:
+    """Base class of a kernel backend (see the package docstring)."""
+
+    name: str = ""
+
+    def unavailable_reason(self) -> Optional[str]:
+        return None
+
+    def supports(self, problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
+        raise NotImplementedError
+
+    def compiled_op(self):
+        return None
+
+    def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
+        raise NotImplementedError
+
+
+@functools.cache
+def get_backend(name: str) -> Backend:
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"unknown MLA backend {name!r}; known: {', '.join(sorted(BACKEND_MODULES))}")
+    return importlib.import_module(BACKEND_MODULES[name]).BACKEND
+
+
+def availability() -> dict[str, Optional[str]]:
+    """Each known backend's ``unavailable_reason()`` (None = usable), a broken import reported as a reason."""
+    result = {}
+    for name in BACKEND_MODULES:
+        try:
+            result[name] = get_backend(name).unavailable_reason()
+        except Exception as e:  # noqa: BLE001 - a backend that cannot even import is simply unavailable
+            result[name] = f"import failed: {type(e).__name__}: {e}"
+    return result
+
+
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """(major, minor) of a CUDA device; None for anything else."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
+    """The backend an eager call runs on (same choice as the compiler would make)."""
+    from mla_inductor.selection import select_backend
+
+    return get_backend(select_backend(problem, device_capability(device)).backend)

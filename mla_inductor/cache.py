@@ -1,0 +1,245 @@
+"""Latent KV-cache formats and a small paged cache for code that has no serving engine.
+
+A cache is a tensor ``[num_pages, page_size, token_bytes_or_dim]``; each token row holds the
+compressed latent (``L = kv_lora_rank`` values) followed by the decoupled rope key (``R`` values).
+Formats (``cache_format(kv_cache)`` names them):
+
+- ``"fp32"`` / ``"fp16"`` / ``"bf16"``: rows of ``L + R`` values in that dtype.
+- ``"fp8_e4m3"``: rows of ``L + R`` ``float8_e4m3fn`` values; real value = stored * ``kv_scale``.
+- ``"fp8_ds_mla"``: DeepSeek-V3.2's 656-byte uint8 rows (L=512, R=64 only): 512 e4m3 latent values,
+  4 float32 scales (one per 128 latent values), 64 bf16 rope values (not quantized).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+FP8_DS_MLA_TOKEN_BYTES = 656
+FP8_DS_MLA_LATENT = 512
+FP8_DS_MLA_ROPE = 64
+FP8_DS_MLA_TILE = 128
+_DS_SCALES_AT = FP8_DS_MLA_LATENT  # bytes 512..527: 4 float32 tile scales
+_DS_ROPE_AT = _DS_SCALES_AT + 4 * (FP8_DS_MLA_LATENT // FP8_DS_MLA_TILE)  # bytes 528..655: bf16 rope
+
+_FORMAT_OF_DTYPE = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.uint8: "fp8_ds_mla",
+}
+_DTYPE_OF_FORMAT = {fmt: dtype for dtype, fmt in _FORMAT_OF_DTYPE.items()}
+CACHE_FORMATS = tuple(_DTYPE_OF_FORMAT)
+
+
+def cache_format(kv_cache: torch.Tensor) -> str:
+    """The format name of a cache tensor (see the module docstring); TypeError for other dtypes."""
+    try:
+        return _FORMAT_OF_DTYPE[kv_cache.dtype]
+    except KeyError:
+        raise TypeError(
+            f"kv_cache must have dtype float32, float16, bfloat16, float8_e4m3fn or uint8 (fp8_ds_mla), "
+            f"got {kv_cache.dtype}"
+        ) from None
+
+
+def cache_dtype(fmt: str) -> torch.dtype:
+    if fmt not in _DTYPE_OF_FORMAT:
+        raise ValueError(f"format must be one of {CACHE_FORMATS}, got {fmt!r}")
+    return _DTYPE_OF_FORMAT[fmt]
+
+
+def token_width(fmt: str, kv_lora_rank: int, rope_dim: int) -> int:
+    """Last dimension of a cache of this format: L + R elements, or 656 bytes for fp8_ds_mla."""
+    if fmt == "fp8_ds_mla":
+        if (kv_lora_rank, rope_dim) != (FP8_DS_MLA_LATENT, FP8_DS_MLA_ROPE):
+            raise ValueError(
+                f"fp8_ds_mla stores kv_lora_rank=512 and rope_dim=64 only, got {kv_lora_rank} and {rope_dim}"
+            )
+        return FP8_DS_MLA_TOKEN_BYTES
+    return kv_lora_rank + rope_dim
+
+
+def pack_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
+    """[..., 576] latent|rope (any float dtype) -> [..., 656] uint8 in the fp8_ds_mla layout.
+
+    Each 128-value latent tile gets the scale amax / 448 (the largest value maps to e4m3's largest
+    finite value), floored at a tiny positive number so an all-zero tile stays zero, not NaN.
+    """
+    if rows.shape[-1] != FP8_DS_MLA_LATENT + FP8_DS_MLA_ROPE:
+        raise ValueError(f"rows must end in 576 = 512 latent + 64 rope values, got {tuple(rows.shape)}")
+    lead = rows.shape[:-1]
+    latent = rows[..., :FP8_DS_MLA_LATENT].float().reshape(*lead, 4, FP8_DS_MLA_TILE)
+    scale = (latent.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q8 = (latent / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    rope = rows[..., FP8_DS_MLA_LATENT:].to(torch.bfloat16)
+    return torch.cat(
+        [
+            q8.reshape(*lead, FP8_DS_MLA_LATENT).view(torch.uint8),
+            scale.reshape(*lead, 4).contiguous().view(torch.uint8),
+            rope.contiguous().view(torch.uint8),
+        ],
+        dim=-1,
+    )
+
+
+def unpack_fp8_ds_mla(packed: torch.Tensor) -> torch.Tensor:
+    """[..., 656] uint8 fp8_ds_mla rows -> [..., 576] float32 latent|rope."""
+    lead = packed.shape[:-1]
+    latent = packed[..., :_DS_SCALES_AT].view(torch.float8_e4m3fn).float()
+    scale = packed[..., _DS_SCALES_AT:_DS_ROPE_AT].view(torch.float32)
+    latent = (latent.reshape(*lead, 4, FP8_DS_MLA_TILE) * scale.unsqueeze(-1)).reshape(*lead, FP8_DS_MLA_LATENT)
+    rope = packed[..., _DS_ROPE_AT:].view(torch.bfloat16).float()
+    return torch.cat([latent, rope], dim=-1)
+
+
+def encode_tokens(rows: torch.Tensor, fmt: str, kv_scale: torch.Tensor) -> torch.Tensor:
+    """[..., L+R] values -> stored rows of format ``fmt`` (fp8 saturates at ±448 after dividing by kv_scale)."""
+    if fmt == "fp8_ds_mla":
+        return pack_fp8_ds_mla(rows)
+    if fmt == "fp8_e4m3":
+        scaled = rows.float() / kv_scale.float().reshape(())
+        return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return rows.to(cache_dtype(fmt))
+
+
+def decode_tokens(stored: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
+    """Stored cache rows [..., width] -> float32 [..., L+R], scales applied."""
+    fmt = cache_format(stored)
+    if fmt == "fp8_ds_mla":
+        return unpack_fp8_ds_mla(stored)
+    if fmt == "fp8_e4m3":
+        return stored.float() * kv_scale.float().reshape(())
+    return stored.float()
+
+
+def fp8_scale_for(values: torch.Tensor) -> torch.Tensor:
+    """A per-tensor kv_scale (fp32, one element) that maps max|values| onto e4m3's largest value."""
+    amax = values.detach().abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
+    return (amax / FP8_E4M3_MAX).reshape(1)
+
+
+@dataclass
+class PagedLatentCache:
+    """Paged latent caches for ``num_layers`` layers sharing one page allocator and block table.
+
+    ``block_table`` [batch, max_pages] int32 and ``seq_lens`` [batch] int32 live on ``device`` and are
+    updated in place, so a compiled (or CUDA-graph captured) decode step sees new lengths without
+    re-tracing. Pages are handed out from a free list on the host; ``reset(b)`` returns a sequence's pages.
+
+        cache = PagedLatentCache.allocate(num_layers=2, batch_size=4, max_seq_len=1024, kv_lora_rank=512,
+                                          rope_dim=64, page_size=64, fmt="bf16", device="cuda")
+        slots = cache.reserve(1)            # one new token per sequence -> slot_mapping [4]
+        cache.append(layer, kv_c, k_pe, slots)
+        out = cache.decode(layer, q_nope, q_pe, softmax_scale)
+    """
+
+    kv_caches: list[torch.Tensor]
+    kv_scale: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_size: int
+    kv_lora_rank: int
+    rope_dim: int
+    _free_pages: list[int] = field(default_factory=list, repr=False)
+    _host_lens: list[int] = field(default_factory=list, repr=False)
+    _host_pages: list[list[int]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        batch_size: int,
+        max_seq_len: int,
+        kv_lora_rank: int = 512,
+        rope_dim: int = 64,
+        page_size: int = 64,
+        fmt: str = "bf16",
+        num_pages: int | None = None,
+        kv_scale: float = 1.0,
+        device: torch.device | str = "cpu",
+    ) -> PagedLatentCache:
+        """Room for ``batch_size`` sequences of up to ``max_seq_len`` tokens (``num_pages`` defaults to that)."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if not fmt.startswith("fp8") and kv_scale != 1.0:
+            raise ValueError(f"kv_scale applies to fp8 formats only; format {fmt!r} needs kv_scale=1.0")
+        width = token_width(fmt, kv_lora_rank, rope_dim)
+        max_pages = -(-max_seq_len // page_size)
+        num_pages = batch_size * max_pages if num_pages is None else num_pages
+        dtype = cache_dtype(fmt)
+        kv_caches = [torch.zeros(num_pages, page_size, width, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(
+            kv_caches=kv_caches,
+            kv_scale=torch.tensor([kv_scale], dtype=torch.float32, device=device),
+            block_table=torch.zeros(batch_size, max_pages, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(batch_size, dtype=torch.int32, device=device),
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            _free_pages=list(range(num_pages - 1, -1, -1)),
+            _host_lens=[0] * batch_size,
+            _host_pages=[[] for _ in range(batch_size)],
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def format(self) -> str:
+        return cache_format(self.kv_caches[0])
+
+    def reserve(self, num_tokens: int | list[int]) -> torch.Tensor:
+        """Make room for the next ``num_tokens`` tokens of every sequence (an int, or one count per
+        sequence); advance ``seq_lens``; return the slot_mapping int32 [sum(num_tokens)] for cache_append,
+        sequence-major."""
+        counts = [num_tokens] * self.batch_size if isinstance(num_tokens, int) else list(num_tokens)
+        if len(counts) != self.batch_size:
+            raise ValueError(f"num_tokens must be an int or have {self.batch_size} entries, got {len(counts)}")
+        max_pages = self.block_table.shape[1]
+        slots: list[int] = []
+        for b, n in enumerate(counts):
+            start, end = self._host_lens[b], self._host_lens[b] + n
+            pages = self._host_pages[b]
+            if -(-end // self.page_size) > max_pages:
+                raise ValueError(f"sequence {b} would hold {end} tokens, more than max_seq_len allows")
+            while len(pages) * self.page_size < end:
+                if not self._free_pages:
+                    raise RuntimeError("PagedLatentCache is out of pages; allocate it with more num_pages")
+                pages.append(self._free_pages.pop())
+            slots.extend(pages[t // self.page_size] * self.page_size + t % self.page_size for t in range(start, end))
+            self._host_lens[b] = end
+        self._sync_tables()
+        return torch.tensor(slots, dtype=torch.int32, device=self.block_table.device)
+
+    def reset(self, batch_index: int | None = None) -> None:
+        """Forget sequence ``batch_index`` (all sequences if None) and return its pages."""
+        for b in range(self.batch_size) if batch_index is None else [batch_index]:
+            self._free_pages.extend(reversed(self._host_pages[b]))
+            self._host_pages[b] = []
+            self._host_lens[b] = 0
+        self._sync_tables()
+
+    def _sync_tables(self) -> None:
+        table = torch.zeros(self.block_table.shape, dtype=torch.int32)
+        for b, pages in enumerate(self._host_pages):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table.copy_(table)
+        self.seq_lens.copy_(torch.tensor(self._host_lens, dtype=torch.int32))
+
+    def append(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new tokens' latent [N, L] and rope key [N, R] of one layer into the reserved slots."""
+        torch.ops.mla.cache_append(self.kv_caches[layer], kv_c, k_pe, slot_mapping, self.kv_scale)
+
+    def decode(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Attention output [T, H, L] of one layer for the absorbed query (T = batch * new tokens)."""
+        return torch.ops.mla.paged_decode(
+            q_nope, q_pe, self.kv_caches[layer], self.block_table, self.seq_lens, softmax_scale, self.kv_scale
+        )

@@ -1,0 +1,103 @@
+"""Random, valid inputs for ``mla.paged_decode`` and the error measure kernels are judged by.
+
+Used by the test suite, the benchmarks and anyone checking a new kernel against the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from mla_inductor.cache import cache_dtype, encode_tokens, fp8_scale_for, token_width
+
+# Relative L2 error bounds vs the reference, by what limits precision. fp8 caches are judged against the
+# reference on the same (dequantized) cache, so the bound covers only the kernel's own rounding.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclass
+class DecodeInputs:
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    softmax_scale: float
+    kv_scale: torch.Tensor
+    sparse_indices: Optional[torch.Tensor] = None
+
+    def args(self) -> tuple:
+        return (self.q_nope, self.q_pe, self.kv_cache, self.block_table, self.seq_lens, self.softmax_scale,
+                self.kv_scale, self.sparse_indices)
+
+
+def make_decode_inputs(
+    seq_lens: Sequence[int],
+    *,
+    num_heads: int = 16,
+    q_per_seq: int = 1,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    page_size: int = 64,
+    fmt: str = "bf16",
+    q_dtype: torch.dtype = torch.bfloat16,
+    topk: Optional[int] = None,
+    spare_pages: int = 3,
+    max_pages: Optional[int] = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> DecodeInputs:
+    """A paged cache with scattered pages (some unused), garbage (-1) in unused block-table entries,
+    fresh random values everywhere, and for ``topk`` random slots of each row's visible prefix,
+    padded with -1 where the prefix is shorter than ``topk``. ``max_pages`` fixes the block table's width
+    (default: the longest sequence's page count)."""
+    g = torch.Generator().manual_seed(seed)
+    B, Q = len(seq_lens), q_per_seq
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    pages_per_seq = [-(-int(n) // page_size) for n in seq_lens]
+    max_pages = max(1, max(pages_per_seq)) if max_pages is None else max_pages
+    num_pages = sum(pages_per_seq) + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
+    block_table = torch.full((B, max_pages), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        block_table[b, :n] = perm[used:used + n].int()
+        used += n
+    values = torch.randn(num_pages, page_size, kv_lora_rank + rope_dim, generator=g)
+    kv_scale = fp8_scale_for(values) if fmt == "fp8_e4m3" else torch.ones(1)
+    kv_cache = encode_tokens(values, fmt, kv_scale)
+    assert kv_cache.dtype == cache_dtype(fmt) and kv_cache.shape[-1] == token_width(fmt, kv_lora_rank, rope_dim)
+    T = B * Q
+    q_nope = (torch.randn(T, num_heads, kv_lora_rank, generator=g) * 0.5).to(q_dtype)
+    q_pe = (torch.randn(T, num_heads, rope_dim, generator=g) * 0.5).to(q_dtype)
+    sparse = None
+    if topk is not None:
+        sparse = torch.full((T, topk), -1, dtype=torch.int32)
+        for b in range(B):
+            for j in range(Q):
+                visible = max(0, int(lens[b]) - Q + j + 1)
+                pos = torch.randperm(visible, generator=g)[:topk]
+                slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
+                sparse[b * Q + j, : len(pos)] = slots.int()
+    inputs = DecodeInputs(q_nope, q_pe, kv_cache, block_table, lens, (kv_lora_rank + rope_dim) ** -0.5,
+                          kv_scale.float(), sparse)
+    for name, value in vars(inputs).items():
+        if isinstance(value, torch.Tensor):
+            setattr(inputs, name, value.to(device))
+    return inputs
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64 over the finite entries of ``expected``; the other
+    entries (lse = -inf) must match exactly. Any mismatch or non-finite value in ``actual`` where
+    ``expected`` is finite gives inf, so a kernel that leaves poisoned outputs unwritten never passes."""
+    if actual.shape != expected.shape:
+        return float("inf")
+    a, e = actual.double(), expected.double()
+    finite = torch.isfinite(e)
+    if not bool(torch.isfinite(a[finite]).all()) or not bool((a[~finite] == e[~finite]).all()):
+        return float("inf")
+    diff = (a[finite] - e[finite]).norm()
+    return float(diff / e[finite].norm().clamp_min(1e-30))

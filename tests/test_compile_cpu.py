@@ -1,0 +1,142 @@
+"""The CPU compile path: the pass turns mla.paged_decode into Inductor-generated code."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache, run_and_get_code
+from torch.testing import FileCheck
+
+import mla_inductor
+import mla_inductor.lowering
+from mla_inductor.testing import make_decode_inputs, relative_error
+
+SMALL = dict(kv_lora_rank=32, rope_dim=16, page_size=4, num_heads=3, q_dtype=torch.float32)
+VARIANTS = {
+    "dense": dict(seq_lens=[5, 17, 1]),
+    "fp8": dict(seq_lens=[9, 3], fmt="fp8_e4m3"),
+    "fp8_ds_mla": dict(seq_lens=[9, 3], fmt="fp8_ds_mla", kv_lora_rank=512, rope_dim=64),
+    "sparse": dict(seq_lens=[12, 30], topk=6),
+    "mtp_q2": dict(seq_lens=[6, 11], q_per_seq=2),
+}
+
+
+def decode_step(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None):
+    out, lse = torch.ops.mla.paged_decode_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale,
+                                                   sparse_indices)
+    return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale,
+                                      sparse_indices) * 2, out, lse
+
+
+def _inputs(variant, **extra):
+    kw = {**SMALL, **VARIANTS[variant], **extra}
+    x = make_decode_inputs(**kw)
+    return (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale, x.sparse_indices)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_compiled_matches_eager_and_calls_no_opaque_op(variant):
+    torch._dynamo.reset()
+    args = _inputs(variant)
+    want = decode_step(*args)
+    counter = CompileCounterWithBackend("inductor")
+    got, code = run_and_get_code(torch.compile(decode_step, fullgraph=True, backend=counter), *args)
+    assert counter.frame_count == 1
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < 1e-5
+    # The reference became generated C++: no call of the opaque op remains.
+    FileCheck().check("cpp_fused").check_not("torch.ops.mla.").run(code[0])
+
+
+def test_one_frame_serves_all_batch_sizes():
+    """Batch-size dims marked dynamic (as a serving loop would), block table width fixed by max_seq_len."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(decode_step, fullgraph=True, backend=counter)
+    for i, batch in enumerate([2, 3, 17, 64, 256]):
+        lens = [(7 * b + i) % 23 + 1 for b in range(batch)]
+        args = _inputs("dense", seq_lens=lens, num_heads=2, seed=i, max_pages=6)
+        for t in (args[0], args[1], args[2], args[3], args[4]):  # kv_cache: its page count grows too
+            torch._dynamo.mark_dynamic(t, 0)
+        for g, w in zip(step(*args), decode_step(*args)):
+            assert relative_error(g, w) < 1e-5
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_seq_lens_values_do_not_recompile():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(decode_step, fullgraph=True, backend=counter)
+    args = list(_inputs("dense", seq_lens=[16, 16]))
+    for lens in ([1, 16], [16, 0], [9, 3]):
+        args[4] = torch.tensor(lens, dtype=torch.int32)
+        for g, w in zip(step(*args), decode_step(*args)):
+            assert relative_error(g, w) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_cache_append_and_decode_compile_without_graph_breaks():
+    cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=2, max_seq_len=16, kv_lora_rank=32,
+                                                   rope_dim=16, page_size=4)
+    cache.reserve([5, 2])
+
+    def step(kv_cache, kv_c, k_pe, slots, q_nope, q_pe, block_table, seq_lens, kv_scale):
+        torch.ops.mla.cache_append(kv_cache, kv_c, k_pe, slots, kv_scale)
+        return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.2, kv_scale)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for _ in range(3):
+        slots = cache.reserve(1)
+        new = (torch.randn(2, 32), torch.randn(2, 16), slots, torch.randn(2, 3, 32), torch.randn(2, 3, 16))
+        eager_cache = cache.kv_caches[0].clone()
+        want = step(eager_cache, *new[:3], *new[3:], cache.block_table, cache.seq_lens, cache.kv_scale)
+        got = compiled(cache.kv_caches[0], *new[:3], *new[3:], cache.block_table, cache.seq_lens, cache.kv_scale)
+        assert torch.equal(cache.kv_caches[0], eager_cache)  # the compiled append mutated the real cache
+        assert relative_error(got, want) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_fx_graph_cache_hits_on_rerun_and_misses_when_the_choice_changes():
+    args = _inputs("dense")
+
+    def compile_once():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(decode_step, fullgraph=True)(*args)
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+        assert compile_once() == (0, 1)
+        assert compile_once() == (1, 0)
+        with mla_inductor.prefer_backends("reference"):  # another backend preference: another pass uuid
+            assert compile_once() == (0, 1)
+
+
+def test_pass_is_installed_and_keeps_a_user_pass():
+    from mla_inductor.lowering import installed_pass, install, uninstall
+
+    assert installed_pass() is not None
+    seen = []
+
+    class UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "user-pass-v1"
+
+    uninstall()
+    try:
+        torch._inductor.config.post_grad_custom_post_pass = UserPass()
+        ours = install()
+        assert ours.previous is torch._inductor.config.post_grad_custom_post_pass.previous
+        torch._dynamo.reset()
+        args = _inputs("dense")
+        torch.compile(decode_step, fullgraph=True)(*args)
+        assert seen, "the user's pass did not run"
+    finally:
+        uninstall()
+        torch._inductor.config.post_grad_custom_post_pass = None
+        install()

@@ -1,0 +1,192 @@
+"""The op contract: opcheck on every op and variant, the hostile-input table, the lean import."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mla_inductor
+from mla_inductor.testing import make_decode_inputs
+
+VARIANTS = {
+    "dense_bf16": dict(seq_lens=[5, 17], fmt="bf16"),
+    "fp8": dict(seq_lens=[9, 3], fmt="fp8_e4m3"),
+    "fp8_ds_mla": dict(seq_lens=[9, 3], fmt="fp8_ds_mla", kv_lora_rank=512, rope_dim=64),
+    "sparse": dict(seq_lens=[12, 30], topk=6),
+    "mtp_q2": dict(seq_lens=[6, 11], q_per_seq=2),
+}
+
+
+def small_inputs(**kw):
+    kw.setdefault("kv_lora_rank", 32)
+    kw.setdefault("rope_dim", 16)
+    kw.setdefault("page_size", 4)
+    kw.setdefault("num_heads", 3)
+    return make_decode_inputs(**kw)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("op", [torch.ops.mla.paged_decode.default, torch.ops.mla.paged_decode_with_lse.default])
+def test_opcheck_decode(op, variant):
+    x = small_inputs(**VARIANTS[variant])
+    torch.library.opcheck(op, x.args(), test_utils=_opcheck_utils(x.kv_cache))
+
+
+def _opcheck_utils(kv_cache):
+    # test_schema compares inputs before/after with arithmetic that CPU float8 lacks; the other utils
+    # (fake tensor, AOT dispatch static and dynamic) run on every format.
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    return tuple(u for u in utils if u != "test_schema") if kv_cache.dtype == torch.float8_e4m3fn else utils
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
+def test_opcheck_cache_append(fmt):
+    L, R = (512, 64) if fmt == "fp8_ds_mla" else (32, 16)
+    x = small_inputs(seq_lens=[8], fmt=fmt, kv_lora_rank=L, rope_dim=R)
+    slots = torch.tensor([3, -1, 10], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.mla.cache_append.default,
+                          (x.kv_cache, torch.randn(3, L), torch.randn(3, R), slots, x.kv_scale),
+                          test_utils=_opcheck_utils(x.kv_cache))
+
+
+def _set(name, value):
+    def edit(a):
+        a[name] = value(a) if callable(value) else value
+    return edit
+
+
+A = ["q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "softmax_scale", "kv_scale", "sparse_indices"]
+# (case, edit of the argument dict, exception type, text the message must contain)
+HOSTILE = [
+    ("q_nope 2-D", _set("q_nope", lambda a: a["q_nope"][0]), ValueError, "q_nope must be a 3-D tensor [T, H, L]"),
+    ("q_nope int", _set("q_nope", lambda a: a["q_nope"].int()), TypeError, "q_nope must have dtype float32"),
+    # Arguments of the wrong Python type are refused by the dispatcher, which names the argument.
+    ("q_nope not tensor", _set("q_nope", 1.0), RuntimeError, "Expected a value of type 'Tensor' for argument 'q_nope'"),
+    ("q_pe dtype", _set("q_pe", lambda a: a["q_pe"].half()), TypeError, "q_pe must have q_nope's dtype"),
+    ("q_pe heads", _set("q_pe", lambda a: a["q_pe"][:, :1]), ValueError, "q_pe must be [T=2, H=3, R]"),
+    ("q_nope strided", _set("q_nope", lambda a: a["q_nope"].repeat(1, 1, 2)[..., ::2]), ValueError,
+     "q_nope must be contiguous in its last dimension"),
+    ("cache width", _set("kv_cache", lambda a: a["kv_cache"][..., :40]), ValueError, "kv_cache must be [P, page_size, L+R=48]"),
+    ("cache dtype", _set("kv_cache", lambda a: a["kv_cache"].to(torch.float64)), TypeError, "kv_cache must have dtype"),
+    ("cache uint8 wrong L", _set("kv_cache", lambda a: torch.zeros(4, 4, 656, dtype=torch.uint8)), ValueError,
+     "fp8_ds_mla) kv_cache needs L=512 and R=64"),
+    ("block_table int64", _set("block_table", lambda a: a["block_table"].long()), TypeError, "block_table must have dtype int32"),
+    ("block_table 1-D", _set("block_table", lambda a: a["block_table"][0]), ValueError, "block_table must be a 2-D tensor"),
+    ("seq_lens int64", _set("seq_lens", lambda a: a["seq_lens"].long()), TypeError, "seq_lens must have dtype int32"),
+    ("seq_lens batch", _set("seq_lens", lambda a: a["seq_lens"][:1]), ValueError, "seq_lens must be [B=2]"),
+    ("T not multiple of B", _set("q_nope", lambda a: a["q_nope"][:1]), ValueError, "q_pe must be [T=1"),
+    ("T % B", lambda a: a.update(q_nope=a["q_nope"].repeat(2, 1, 1)[:3], q_pe=a["q_pe"].repeat(2, 1, 1)[:3]),
+     ValueError, "T=3 must be a positive multiple of the batch size B=2"),
+    ("softmax_scale str", _set("softmax_scale", "0.1"), RuntimeError, "for argument 'softmax_scale'"),
+    ("kv_scale float", _set("kv_scale", 1.0), RuntimeError, "Expected a value of type 'Tensor' for argument 'kv_scale'"),
+    ("kv_scale fp16", _set("kv_scale", torch.ones(1, dtype=torch.float16)), TypeError,
+     "kv_scale must be a float32 tensor with one element"),
+    ("kv_scale shape", _set("kv_scale", torch.ones(2)), TypeError, "kv_scale must be a float32 tensor with one element"),
+    ("sparse int64", _set("sparse_indices", lambda a: torch.zeros(2, 4, dtype=torch.int64)), TypeError,
+     "sparse_indices must have dtype int32"),
+    ("sparse rows", _set("sparse_indices", lambda a: torch.zeros(3, 4, dtype=torch.int32)), ValueError,
+     "sparse_indices must be [T=2, K]"),
+]
+# Checks that read values: eager only (CPU always, GPU under MLA_INDUCTOR_DEBUG=1).
+HOSTILE_VALUES = [
+    ("seq_len too long", _set("seq_lens", lambda a: a["seq_lens"] + 1000), "seq_lens must lie in [0, max_pages * page_size"),
+    ("negative seq_len", _set("seq_lens", lambda a: a["seq_lens"] - 1000), "seq_lens must lie in"),
+    ("page out of range", lambda a: a["block_table"].__setitem__((0, 0), 999), "block_table entries of used pages"),
+    ("sparse slot out of range", _set("sparse_indices", lambda a: torch.full((2, 4), 10**6, dtype=torch.int32)),
+     "sparse_indices must be -1 or a slot"),
+    ("kv_scale nan", _set("kv_scale", torch.full((1,), float("nan"))), "kv_scale must be finite and positive"),
+]
+
+
+def _arg_dict():
+    x = small_inputs(seq_lens=[5, 9], q_dtype=torch.float32)
+    return dict(zip(A, x.args()))
+
+
+@pytest.mark.parametrize("case,edit,exc,msg", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_eager(case, edit, exc, msg):
+    a = _arg_dict()
+    edit(a)
+    prefix = "" if exc is RuntimeError else r"^mla\.paged_decode: .*"
+    with pytest.raises(exc, match=prefix + _re(msg)):
+        torch.ops.mla.paged_decode(*a.values())
+
+
+@pytest.mark.parametrize("case,edit,exc,msg", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_at_compile_time(case, edit, exc, msg):
+    a = _arg_dict()
+    edit(a)
+    tensors = {k: v for k, v in a.items() if isinstance(v, torch.Tensor)}
+    consts = {k: v for k, v in a.items() if k not in tensors}
+
+    def f(**t):
+        return torch.ops.mla.paged_decode(**t, **consts)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:  # Dynamo wraps errors raised while tracing the fake impl
+        torch.compile(f, fullgraph=True, backend="aot_eager")(**tensors)
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert any(isinstance(c, exc) and msg in str(c) for c in chain), [repr(c)[:300] for c in chain]
+
+
+@pytest.mark.parametrize("case,edit,msg", HOSTILE_VALUES, ids=[h[0] for h in HOSTILE_VALUES])
+def test_hostile_values_eager(case, edit, msg):
+    a = _arg_dict()
+    a["sparse_indices"] = torch.zeros(2, 4, dtype=torch.int32) if "sparse" in case else None
+    edit(a)
+    with pytest.raises(ValueError, match=_re(msg)):
+        torch.ops.mla.paged_decode(*a.values())
+
+
+def _re(text):
+    import re
+    return re.escape(text)
+
+
+def test_unused_block_table_entries_may_hold_garbage():
+    a = _arg_dict()
+    a["block_table"] = torch.cat([a["block_table"], torch.full((2, 5), -7, dtype=torch.int32)], dim=1)
+    want = torch.ops.mla.paged_decode(*_arg_dict().values())
+    assert torch.equal(torch.ops.mla.paged_decode(*a.values()), want)
+
+
+def test_cache_append_hostile():
+    kv = torch.zeros(2, 4, 48)
+    with pytest.raises(ValueError, match="slot_mapping must be \\[N=3\\]"):
+        torch.ops.mla.cache_append(kv, torch.randn(3, 32), torch.randn(3, 16), torch.zeros(2, dtype=torch.int32),
+                                   torch.ones(1))
+    with pytest.raises(ValueError, match="kv_cache must be \\[P, page_size, L\\+R=40\\]"):
+        torch.ops.mla.cache_append(kv, torch.randn(3, 32), torch.randn(3, 8), torch.zeros(3, dtype=torch.int32),
+                                   torch.ones(1))
+    with pytest.raises(ValueError, match="slot_mapping must be -1 or a slot in \\[0, P \\* page_size = 8\\)"):
+        torch.ops.mla.cache_append(kv, torch.randn(1, 32), torch.randn(1, 16), torch.tensor([8], dtype=torch.int32),
+                                   torch.ones(1))
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        torch.ops.mla.cache_append(kv.transpose(0, 1), torch.randn(1, 32), torch.randn(1, 16),
+                                   torch.tensor([0], dtype=torch.int32), torch.ones(1))
+
+
+def test_lean_import():
+    """``import mla_inductor`` (and its lowering) registers the ops without CUDA or optional libraries."""
+    code = (
+        "import sys, torch\n"
+        "import mla_inductor, mla_inductor.lowering\n"
+        "assert hasattr(torch.ops.mla, 'paged_decode') and hasattr(torch.ops.mla, 'cache_append')\n"
+        "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
+        "bad = [m for m in ('flashinfer', 'flash_mla', 'vllm', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_public_names():
+    for name in mla_inductor.__all__:
+        assert hasattr(mla_inductor, name), name

@@ -1,0 +1,22 @@
+"""The README's commands are the ones CI and users run."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands():
+    block = re.search(r"## Install and run\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_cmd = next(c for c in readme_commands() if "pytest" in c)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd.replace("python ", "python3 ") in ci or test_cmd in ci
+
+
+def test_readme_main_job_exists():
+    main_job = next(c for c in readme_commands() if c.startswith("python examples/"))
+    assert (ROOT / main_job.split()[1]).is_file()

@@ -1,0 +1,93 @@
+"""The reference against a naive per-row float64 loop, and the cache writer's round trips."""
+
+import pytest
+import torch
+
+import mla_inductor
+from mla_inductor.cache import decode_tokens, pack_fp8_ds_mla, unpack_fp8_ds_mla
+from mla_inductor.testing import make_decode_inputs, relative_error
+from naive import naive_decode
+
+CASES = [
+    # seq_lens, heads, Q, L, R, page_size, fmt, topk
+    ([5, 17, 1], 4, 1, 32, 16, 8, "fp32", None),
+    ([64, 3], 3, 1, 32, 16, 16, "bf16", None),
+    ([9, 12], 2, 3, 32, 16, 4, "fp16", None),  # MTP: 3 new tokens per sequence, causal among them
+    ([33], 5, 1, 32, 16, 1, "fp8_e4m3", None),
+    ([20, 7, 0], 2, 1, 512, 64, 6, "fp8_ds_mla", None),  # seq_len 0: nothing to attend
+    ([40, 10], 4, 1, 32, 16, 8, "bf16", 12),  # sparse, the short row padded with -1
+    ([30, 30], 2, 2, 512, 64, 16, "fp8_ds_mla", 8),
+]
+
+
+@pytest.mark.parametrize("seq_lens,H,Q,L,R,page,fmt,topk", CASES)
+def test_reference_matches_naive_loop(seq_lens, H, Q, L, R, page, fmt, topk):
+    x = make_decode_inputs(seq_lens, num_heads=H, q_per_seq=Q, kv_lora_rank=L, rope_dim=R, page_size=page,
+                           fmt=fmt, q_dtype=torch.float32, topk=topk, seed=len(seq_lens) * 7 + page)
+    out, lse = mla_inductor.paged_decode_reference(*x.args())
+    want_out, want_lse = naive_decode(*x.args())
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert relative_error(out, want_out) < 1e-5
+    assert relative_error(lse, want_lse) < 1e-5
+
+
+def test_row_with_nothing_to_attend_gives_zero_and_minus_inf():
+    x = make_decode_inputs([0, 5], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4, q_dtype=torch.float32)
+    out, lse = torch.ops.mla.paged_decode_with_lse(*x.args())
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(lse[0], torch.full_like(lse[0], float("-inf")))
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_all_padding_sparse_row():
+    x = make_decode_inputs([9, 9], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4, q_dtype=torch.float32,
+                           topk=4)
+    x.sparse_indices[1] = -1
+    out, lse = torch.ops.mla.paged_decode_with_lse(*x.args())
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+
+
+def test_output_dtype_follows_query():
+    x = make_decode_inputs([7], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4, fmt="fp32",
+                           q_dtype=torch.bfloat16)
+    assert torch.ops.mla.paged_decode(*x.args()).dtype == torch.bfloat16
+
+
+def test_fp8_ds_mla_pack_roundtrip():
+    rows = torch.randn(3, 5, 576) * 3
+    packed = pack_fp8_ds_mla(rows)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 656)
+    back = unpack_fp8_ds_mla(packed)
+    assert torch.equal(back[..., 512:], rows[..., 512:].bfloat16().float())  # rope is stored in bf16
+    assert relative_error(back[..., :512], rows[..., :512]) < 0.05  # e4m3 keeps 3 mantissa bits
+    assert torch.equal(unpack_fp8_ds_mla(pack_fp8_ds_mla(torch.zeros(1, 576))), torch.zeros(1, 576))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"])
+def test_cache_append_roundtrip(fmt):
+    L, R = (512, 64) if fmt == "fp8_ds_mla" else (32, 16)
+    cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=2, max_seq_len=20, kv_lora_rank=L,
+                                                   rope_dim=R, page_size=4, fmt=fmt,
+                                                   kv_scale=0.01 if fmt == "fp8_e4m3" else 1.0)
+    slots = cache.reserve([6, 3])
+    kv_c, k_pe = torch.randn(9, L), torch.randn(9, R)
+    before = cache.kv_caches[0].clone()
+    cache.append(0, kv_c, k_pe, slots)
+    flat = cache.kv_caches[0].reshape(-1, cache.kv_caches[0].shape[-1])
+    got = decode_tokens(flat[slots.long()], cache.kv_scale)
+    want = torch.cat([kv_c, k_pe], -1)
+    bound = {"fp32": 0, "bf16": 8e-3, "fp16": 1e-3, "fp8_e4m3": 0.07, "fp8_ds_mla": 0.07}[fmt]
+    assert relative_error(got, want) <= bound
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(flat[untouched].view(torch.uint8), before.reshape(flat.shape)[untouched].view(torch.uint8))
+
+
+def test_cache_append_skips_minus_one_and_saturates_fp8():
+    kv_cache = torch.zeros(2, 2, 6, dtype=torch.float8_e4m3fn)
+    kv_c = torch.tensor([[1000.0, -1000.0, 1, 2], [5, 5, 5, 5]])
+    k_pe = torch.tensor([[3.0, 4.0], [5.0, 5.0]])
+    torch.ops.mla.cache_append(kv_cache, kv_c, k_pe, torch.tensor([2, -1], dtype=torch.int32), torch.ones(1))
+    flat = kv_cache.reshape(4, 6).float()
+    assert flat[2].tolist() == [448.0, -448.0, 1.0, 2.0, 3.0, 4.0]
+    assert bool((flat[[0, 1, 3]] == 0).all())
