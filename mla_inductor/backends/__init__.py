@@ -6,10 +6,18 @@ A backend answers three questions and does one thing:
 - ``supports(problem, capability)``: None when it can run this call (``DecodeProblem``, the device's
   compute capability or None on CPU), else a one-line reason. Cheap, pure: the selection table and the
   Inductor pass call it on fake arguments.
-- ``compiled_op()``: the op the Inductor pass puts in place of ``mla.paged_decode_with_lse`` (same
-  arguments, returns ``(out, lse)``), or None to have the pass trace ``decode`` into aten ops.
+- ``compiled_op()``: the op the Inductor pass puts in place of ``mla.paged_decode_with_lse``, or None
+  to have the pass trace ``decode`` into aten ops (the reference). Its arguments are the contract's eight
+  followed by ``plan: list[Tensor]`` (empty for backends without ``plan_op``); it returns ``(out, lse)``
+  with the contract's shapes and strides (use ``contract.empty_decode_outputs`` in its fake impl).
+- ``plan_op()``: None, or an op taking the contract's eight arguments and returning ``list[Tensor]``:
+  schedule metadata that depends only on block_table / seq_lens / sparse_indices and the static shapes.
+  The pass calls it once per forward for all layers sharing those tensors, and hands its result to
+  every ``compiled_op`` call (FlashInfer's ``plan()`` once, ``run()`` many; FlashMLA's tile scheduler).
+  A plan that does host work (a device sync) is tagged ``torch.Tag.cudagraph_unsafe`` so CUDA-graph
+  capture leaves it outside the captured partitions.
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
-  run the call eagerly; returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
+  run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
 
 Backend modules import their libraries lazily, so ``import mla_inductor`` needs none of them.
 """
@@ -42,6 +50,9 @@ class Backend:
         raise NotImplementedError
 
     def compiled_op(self):
+        return None
+
+    def plan_op(self):
         return None
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
