@@ -75,9 +75,14 @@ def _log_decision(problem, capability, selection) -> None:
         log.info("mla.paged_decode %s on capability %s -> %s%s", problem, capability, selection.backend, skipped)
 
 
+_PLAN_OPS: set = set()  # plan ops the pass has inserted, for _share_plans
+
+
 def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
     """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
-    op = backend.compiled_op()
+    op, plan_op = backend.compiled_op(), backend.plan_op()
+    if plan_op is not None:
+        _PLAN_OPS.add(plan_op)
 
     def replacement(*tensors):
         full = [None] * len(DECODE_ARG_NAMES)
@@ -85,10 +90,43 @@ def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positi
             full[i] = value
         for i, value in zip(node_positions, tensors):
             full[i] = value
-        out, lse = op(*full) if op is not None else backend.decode(*full)
+        if op is None:
+            out, lse = backend.decode(*full)
+        else:
+            out, lse = op(*full, plan_op(*full) if plan_op is not None else [])
         return (out, lse) if with_lse else out
 
     return replacement
+
+
+def _plan_key(node: torch.fx.Node):
+    """Plans are equal when they see the same block_table / seq_lens / sparse_indices nodes, constants and
+    per-layer tensors of the same shape and dtype (a plan reads only their metadata)."""
+    def meta(a):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        return (tuple(v.shape), v.dtype, tuple(v.stride())) if isinstance(v, torch.Tensor) else a
+
+    args = _bind_decode_args(node.args, node.kwargs)
+    q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse = args
+    return (node.target, meta(q_nope), meta(q_pe), meta(kv_cache), meta(kv_scale), block_table, seq_lens,
+            softmax_scale, sparse)
+
+
+def _share_plans(graph: torch.fx.Graph) -> int:
+    """One plan per forward: later plan nodes equal to an earlier one are replaced by it. Returns how many."""
+    first: dict = {}
+    shared = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _PLAN_OPS:
+            continue
+        key = _plan_key(node)
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            graph.erase_node(node)
+            shared += 1
+        else:
+            first[key] = node
+    return shared
 
 
 def _lower_decode_call(match: Match, *args, **kwargs) -> None:
@@ -155,6 +193,7 @@ class MLALoweringPass(CustomGraphPass):
             previous(graph)
         if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
             _decode_patterns().apply(graph)
+            _share_plans(graph)
             graph.eliminate_dead_code()
 
     def uuid(self) -> Optional[Any]:
