@@ -140,3 +140,33 @@ def test_pass_is_installed_and_keeps_a_user_pass():
         uninstall()
         torch._inductor.config.post_grad_custom_post_pass = None
         install()
+
+
+@pytest.fixture
+def planned_backend(monkeypatch):
+    from mla_inductor import backends
+
+    monkeypatch.setitem(backends.BACKEND_MODULES, "planned_test", "planned_backend")
+    backends.get_backend.cache_clear()
+    yield
+    backends.get_backend.cache_clear()
+
+
+def test_a_61_layer_forward_plans_once(planned_backend):
+    layers = 61
+    x = make_decode_inputs(seq_lens=[5, 17, 9], **SMALL)
+    caches = [x.kv_cache.clone() for _ in range(layers)]
+
+    def forward(q_nope, q_pe, block_table, seq_lens, kv_scale, caches):
+        h = q_nope
+        for kv_cache in caches:
+            h = h + torch.ops.mla.paged_decode(h, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+        return h
+
+    args = (x.q_nope, x.q_pe, x.block_table, x.seq_lens, x.kv_scale, caches)
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends("planned_test"):
+        got, code = run_and_get_code(torch.compile(forward, fullgraph=True), *args)
+    assert relative_error(got, forward(*args)) < 1e-5
+    assert code[0].count("torch.ops.mla_test.run.default(") == layers
+    assert code[0].count("torch.ops.mla_test.plan.default(") == 1

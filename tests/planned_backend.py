@@ -1,0 +1,55 @@
+"""A test backend with a plan op, to check that the pass plans once per forward on any machine."""
+
+from typing import Optional
+
+import torch
+
+from mla_inductor.backends import Backend
+from mla_inductor.contract import empty_decode_outputs
+from mla_inductor.reference import paged_decode_reference
+
+
+@torch.library.custom_op("mla_test::plan", mutates_args=())
+def plan(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+         seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor,
+         sparse_indices: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    return [seq_lens.clone()]
+
+
+@plan.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
+    return [torch.empty_like(seq_lens)]
+
+
+@torch.library.custom_op("mla_test::run", mutates_args=())
+def run(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+        seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor, sparse_indices: Optional[torch.Tensor],
+        plan: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    assert len(plan) == 1 and torch.equal(plan[0], seq_lens), "run got a stale or foreign plan"
+    out, lse = paged_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                      sparse_indices)
+    return out.contiguous(), lse.contiguous()
+
+
+@run.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    return empty_decode_outputs(q_nope)
+
+
+class PlannedBackend(Backend):
+    name = "planned_test"
+
+    def supports(self, problem, capability):
+        return None
+
+    def compiled_op(self):
+        return torch.ops.mla_test.run.default
+
+    def plan_op(self):
+        return torch.ops.mla_test.plan.default
+
+    def decode(self, *args):
+        return run(*args, plan(*args))
+
+
+BACKEND = PlannedBackend()
