@@ -24,11 +24,65 @@ class Selection:
     reasons: tuple[str, ...]  # why each backend ahead of the winner was passed over
 
 
+@dataclass(frozen=True)
+class Row:
+    """Preference order for one device class, cache format group and density; ``evidence`` says why."""
+
+    device: str  # a device_class() value
+    formats: tuple[str, ...]
+    sparse: bool
+    order: tuple[str, ...]
+    evidence: str
+
+
+BF16 = ("bf16", "fp16")
+FP8 = ("fp8_e4m3",)
+DS = ("fp8_ds_mla",)
+FP32 = ("fp32",)
+
+# First matching row wins; each backend's supports() then filters (page size, heads, Q, ...), and the
+# reference closes every row so a call always runs. Numbers are from ../shared/peers-h100.txt (H100).
+TABLE: tuple[Row, ...] = (
+    Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
+    Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
+    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "flashinfer_fa2", "triton", "reference"),
+        "H100: FA3 fastest on uniform lengths (B=64 H=128 S=4096: 144 us vs FlashMLA 152 us; H=16 B=128: "
+        "220 vs 242 us), FlashMLA next (fastest on variable lengths: 229 vs 264 us)"),
+    Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
+        "H100: FlashMLA-fp8 fastest (B=64 H=128: 122 us; also quantizes q, err ~1.3e-2); FlashInfer fp8 is "
+        "slower than its own bf16 (453 us)"),
+    Row("sm90", DS, False, ("triton", "reference"), "no library decodes the 656-byte layout densely"),
+    Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
+        "H100 sparse top-2048: FlashInfer FA3 with page_size 1 (168 us at B=128 H=128, vLLM's SM90 recipe)"),
+    Row("sm90", DS, True, ("flashmla", "triton", "reference"),
+        "FlashMLA sparse decode reads the 656-byte layout directly (214 us at B=128 H=128, 43% fewer bytes)"),
+    Row("sm100", BF16 + FP8, False, ("flashinfer_trtllm", "flashinfer_fa2", "triton", "reference"),
+        "Blackwell datacenter: trtllm-gen MLA is FlashInfer's and vLLM's default on SM100"),
+    Row("sm100", BF16 + FP8, True, ("flashinfer_trtllm", "triton", "reference"),
+        "trtllm-gen sparse top-k (vLLM's SM100 sparse path)"),
+    Row("sm100", DS, True, ("flashmla", "triton", "reference"), "FlashMLA sparse decode supports SM100"),
+    Row("sm120", BF16, False, ("flashinfer_fa2", "triton", "reference"), "consumer Blackwell: FA2 for bf16 (seed)"),
+    Row("sm120", FP8, False, ("triton", "flashinfer_xqa", "reference"),
+        "consumer Blackwell: Triton for fp8 (seed); XQA MLA (H=128, Q=1) as the fallback"),
+    Row("sm80", BF16, False, ("flashinfer_fa2", "triton", "reference"), "Ampere/Ada: FA2 is the CUDA MLA kernel"),
+)
+
+
+def device_class(device_type: str, capability: Optional[tuple[int, int]]) -> str:
+    """'cpu', 'sm80' (Ampere and Ada), 'sm90', 'sm100' (SM100/SM103), 'sm120' or 'cuda' (anything else)."""
+    if device_type != "cuda" or capability is None:
+        return "cpu"
+    major = capability[0]
+    return {8: "sm80", 9: "sm90", 10: "sm100", 12: "sm120"}.get(major, "cuda")
+
+
 def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> list[str]:
-    """Backends to try, best first, for this device and problem."""
-    if problem.device_type != "cuda" or capability is None:
-        return ["reference"]
-    return ["reference"]
+    """Backends to try, best first, for this device and problem (the first matching TABLE row)."""
+    device = device_class(problem.device_type, capability)
+    for row in TABLE:
+        if row.device == device and problem.cache_format in row.formats and row.sparse == problem.sparse:
+            return list(row.order)
+    return ["triton", "reference"] if device != "cpu" else ["reference"]
 
 
 def user_preference() -> Optional[tuple[str, ...]]:
@@ -71,12 +125,15 @@ def select_backend(
 
     available = availability() if available is None else available
     preference = user_preference() if preference is None else preference
+    if preference:
+        unknown = [n for n in preference if n not in BACKEND_MODULES]
+        if unknown:
+            raise ValueError(f"unknown MLA backend(s) {unknown} in the preference (${BACKEND_ENV} or "
+                             f"prefer_backends); known: {sorted(BACKEND_MODULES)}")
     order = list(preference) if preference else table_order(problem, capability)
     reasons = []
     for name in order:
-        if name not in BACKEND_MODULES:
-            raise ValueError(f"unknown MLA backend {name!r} in the preference; known: {sorted(BACKEND_MODULES)}")
-        why = available.get(name, "not installed")
+        why = available.get(name, "not installed") if name in BACKEND_MODULES else "not registered"
         if why is None:
             why = get_backend(name).supports(problem, capability)
         if why is None:

@@ -1,0 +1,98 @@
+"""What mla-inductor sees on this machine: ``python -m mla_inductor.info [--markdown]``.
+
+Prints the GPU, the optional libraries and their versions, each backend's availability (with the reason
+when it is not usable), and which backend the selection table picks for typical DeepSeek calls here.
+``--markdown`` prints instead the machine-independent backend matrix kept in docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+from typing import Optional
+
+import torch
+
+from mla_inductor.backends import BACKEND_MODULES, availability, device_capability
+from mla_inductor.contract import DecodeProblem
+from mla_inductor.selection import TABLE, select_backend
+
+LIBRARIES = ("torch", "triton", "flashinfer", "flash_mla", "vllm", "transformers")
+CAPABILITIES = {"cpu": None, "SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
+FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
+
+
+def library_versions() -> dict[str, Optional[str]]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = getattr(importlib.import_module(name), "__version__", "unknown version")
+        except Exception:  # noqa: BLE001 - absent or broken: either way not usable
+            versions[name] = None
+    return versions
+
+
+def example_problem(device_type: str, fmt: str, sparse: bool, heads: int, page_size: int, q_per_seq: int = 1):
+    return DecodeProblem(device_type=device_type, cache_format=fmt, q_dtype=torch.bfloat16, num_heads=heads,
+                         kv_lora_rank=512, rope_dim=64, page_size=page_size, sparse=sparse,
+                         topk=2048 if sparse else None, q_per_seq=q_per_seq)
+
+
+def matrix_rows(available: dict[str, Optional[str]]):
+    """(device, format, sparse, heads, page_size, chosen backend, passed-over reasons) for a grid of calls."""
+    for (dev, cap), fmt, sparse, heads, page in itertools.product(CAPABILITIES.items(), FORMATS, (False, True),
+                                                                  (16, 128), (64, 16)):
+        problem = example_problem("cpu" if cap is None else "cuda", fmt, sparse, heads, page)
+        selection = select_backend(problem, cap, available=available, preference=())
+        yield dev, fmt, sparse, heads, page, selection.backend, selection.reasons
+
+
+def backend_matrix_markdown() -> str:
+    """docs/backends.md's generated part: the table rows and what select_backend picks on each device,
+    assuming every backend's library is installed."""
+    lines = ["| device | cache | sparse | preference order | evidence |", "|---|---|---|---|---|"]
+    for row in TABLE:
+        lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | "
+                     f"{' → '.join(row.order)} | {row.evidence} |")
+    lines += ["", "Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every library installed:", "",
+              "| device | cache | sparse | H | page | backend | passed over |", "|---|---|---|---|---|---|---|"]
+    everything = {name: None for name in BACKEND_MODULES}
+    for dev, fmt, sparse, heads, page, chosen, reasons in matrix_rows(everything):
+        lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {chosen} | "
+                     f"{'; '.join(reasons) or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def report() -> str:
+    out = []
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    cap = device_capability(device)
+    gpu = f"{torch.cuda.get_device_name()} (SM{cap[0]}{cap[1]})" if cap else "none (CPU only)"
+    out.append(f"GPU: {gpu}")
+    out.append("libraries: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in library_versions().items()))
+    avail = availability()
+    out.append("backends:")
+    for name, why in avail.items():
+        out.append(f"  {name:<20} {'available' if why is None else 'unavailable: ' + why}")
+    out.append(f"selection on this machine ({device.type}), L=512 R=64 Q=1:")
+    for fmt, sparse, heads, page in itertools.product(FORMATS, (False, True), (16, 128), (64,)):
+        problem = example_problem(device.type, fmt, sparse, heads, page)
+        try:
+            sel = select_backend(problem, cap, available=avail)
+            detail = f"{sel.backend}" + (f"  (passed over: {'; '.join(sel.reasons)})" if sel.reasons else "")
+        except RuntimeError as e:
+            detail = f"none: {e}"
+        out.append(f"  {fmt:<11} {'sparse' if sparse else 'dense ':<6} H={heads:<4} page={page}: {detail}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print the backend matrix for docs/backends.md")
+    args = parser.parse_args(argv)
+    print(backend_matrix_markdown() if args.markdown else report())
+
+
+if __name__ == "__main__":
+    main()
