@@ -72,6 +72,17 @@ def _fail(op: str, exc: type[Exception], msg: str):
     raise exc(f"mla.{op}: {msg}")
 
 
+def _require(op: str, cond, msg: str) -> None:
+    """ValueError(msg) unless ``cond``. A symbolic condition (sizes under torch.compile) is handed to
+    ``torch._check_value``: it holds as a guard for backed sizes and becomes a runtime assert for unbacked
+    ones (``mark_unbacked`` batch sizes), where guarding on it would fail to compile."""
+    if isinstance(cond, bool):
+        if not cond:
+            _fail(op, ValueError, msg)
+    else:
+        torch._check_value(cond, lambda: f"mla.{op}: {msg}")
+
+
 def _check_tensor(op, name, t, ndim, dims_desc):
     if not isinstance(t, torch.Tensor):
         _fail(op, TypeError, f"{name} must be a torch.Tensor {dims_desc}, got {type(t).__name__}")
@@ -134,8 +145,8 @@ def check_decode_args(
     _check_tensor(op, "q_pe", q_pe, 3, "[T, H, R]")
     if q_pe.dtype != q_nope.dtype:
         _fail(op, TypeError, f"q_pe must have q_nope's dtype {q_nope.dtype}, got {q_pe.dtype}")
-    if q_pe.shape[0] != T or q_pe.shape[1] != H:
-        _fail(op, ValueError, f"q_pe must be [T={T}, H={H}, R] like q_nope, got shape {tuple(q_pe.shape)}")
+    _require(op, q_pe.shape[0] == T, f"q_pe must be [T={T}, H={H}, R] like q_nope, got shape {tuple(q_pe.shape)}")
+    _require(op, q_pe.shape[1] == H, f"q_pe must be [T={T}, H={H}, R] like q_nope, got shape {tuple(q_pe.shape)}")
     R = q_pe.shape[2]
     _check_tensor(op, "kv_cache", kv_cache, 3, "[P, page_size, L+R]")
     fmt = _check_cache_rows(op, kv_cache, L, R)
@@ -144,12 +155,11 @@ def check_decode_args(
     _check_tensor(op, "seq_lens", seq_lens, 1, "[B]")
     _check_dtype(op, "seq_lens", seq_lens, (torch.int32,), "int32")
     B = block_table.shape[0]
-    if seq_lens.shape[0] != B:
-        _fail(op, ValueError, f"seq_lens must be [B={B}] (one length per block_table row), got shape "
-              f"{tuple(seq_lens.shape)}")
-    if B == 0 or T % B != 0:
-        _fail(op, ValueError, f"q_nope's T={T} must be a positive multiple of the batch size B={B} "
-              f"(T = B * new tokens per sequence)")
+    _require(op, seq_lens.shape[0] == B, f"seq_lens must be [B={B}] (one length per block_table row), got "
+             f"shape {tuple(seq_lens.shape)}")
+    _require(op, B != 0, "block_table must have at least one row (B >= 1)")
+    _require(op, T % B == 0, f"q_nope's T={T} must be a positive multiple of the batch size B={B} "
+             f"(T = B * new tokens per sequence)")
     if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool):
         _fail(op, TypeError, f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     _check_kv_scale(op, kv_scale, device)
@@ -157,8 +167,8 @@ def check_decode_args(
     if sparse_indices is not None:
         _check_tensor(op, "sparse_indices", sparse_indices, 2, "[T, K]")
         _check_dtype(op, "sparse_indices", sparse_indices, (torch.int32,), "int32")
-        if sparse_indices.shape[0] != T:
-            _fail(op, ValueError, f"sparse_indices must be [T={T}, K], got shape {tuple(sparse_indices.shape)}")
+        _require(op, sparse_indices.shape[0] == T, f"sparse_indices must be [T={T}, K], got shape "
+                 f"{tuple(sparse_indices.shape)}")
         _check_device(op, "sparse_indices", sparse_indices, device)
         topk = _static_int(sparse_indices.shape[1])
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):

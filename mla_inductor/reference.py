@@ -31,8 +31,9 @@ def gather_slots(
     slots = pages * page_size + positions % page_size
     last = seq_lens.long()[:, None] - num_queries + torch.arange(num_queries, device=seq_lens.device)  # [B, Q]
     visible = positions[None, None, :] <= last[:, :, None]  # [B, Q, S]
-    T = B * num_queries
-    return slots[:, None, :].expand(B, num_queries, -1).reshape(T, -1), visible.reshape(T, -1)
+    # Explicit sizes, no -1: with unbacked batch sizes (mark_unbacked) inferring -1 would need a guard.
+    T, S = B * num_queries, max_pages * page_size
+    return slots[:, None, :].expand(B, num_queries, S).reshape(T, S), visible.reshape(T, S)
 
 
 def sparse_slots(sparse_indices: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
@@ -51,9 +52,14 @@ def attend(q_nope: Tensor, q_pe: Tensor, keys: Tensor, visible: Tensor, softmax_
     latent, rope = keys[..., :L], keys[..., L:]
     logits = torch.einsum("thl,tsl->ths", q_nope.float(), latent) + torch.einsum("thr,tsr->ths", q_pe.float(), rope)
     logits = (logits * softmax_scale).masked_fill(~visible[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    # exp(-inf - -inf) is NaN; shifting fully-masked rows by 0 instead makes their weights exactly 0.
-    probs = torch.exp(logits - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    # Written out rather than torch.logsumexp, whose decomposition guards on numel (fails for unbacked
+    # batch sizes). exp(-inf - -inf) is NaN, so fully masked rows shift by 0: weights 0, sum 0, lse -inf.
+    row_max = logits.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    weights = torch.exp(logits - row_max)
+    total = weights.sum(dim=-1)
+    lse = torch.log(total) + row_max.squeeze(-1)
+    probs = weights / torch.where(total == 0, torch.ones_like(total), total)[..., None]
     return torch.einsum("ths,tsl->thl", probs, latent), lse
 
 

@@ -170,3 +170,19 @@ def test_a_61_layer_forward_plans_once(planned_backend):
     assert relative_error(got, forward(*args)) < 1e-5
     assert code[0].count("torch.ops.mla_test.run.default(") == layers
     assert code[0].count("torch.ops.mla_test.plan.default(") == 1
+
+
+def test_unbacked_batch_sizes_serve_b1_to_256_in_one_frame():
+    """mark_unbacked batch dims: no 0/1 specialisation, so B=1 shares the frame with B=256."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(decode_step, fullgraph=True, backend=counter)
+    for i, batch in enumerate([1, 2, 7, 256]):
+        lens = [(5 * b + i) % 15 + 1 for b in range(batch)]
+        args = _inputs("dense", seq_lens=lens, num_heads=2, seed=i, max_pages=4)
+        torch._dynamo.mark_dynamic(args[2], 0)
+        for t in (args[0], args[1], args[3], args[4]):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        for g, w in zip(step(*args), decode_step(*args)):
+            assert relative_error(g, w) < 1e-5
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
