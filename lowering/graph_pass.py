@@ -22,7 +22,8 @@ from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternM
 import mla_inductor
 from mla_inductor.backends import availability, get_backend
 from mla_inductor.contract import DecodeProblem, check_decode_args
-from mla_inductor.selection import select_backend, user_preference
+from mla_inductor.autotune import autotune_enabled, fastest_backend
+from mla_inductor.selection import Selection, rank_backends, select_backend, user_preference
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +138,32 @@ def _lower_decode_call(match: Match, *args, **kwargs) -> None:
     problem = check_decode_args(*fake)
     capability = _capability(fake[0].device)
     selection = select_backend(problem, capability)
+    if autotune_enabled() and fake[0].device.type == "cuda":
+        selection = _autotuned(problem, capability, selection, fake)
     _log_decision(problem, capability, selection)
     node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
     constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
     replacement = _replacement(get_backend(selection.backend), with_lse, constants, node_positions)
     match.replace_by_example(replacement, [bound[i] for i in node_positions])
+
+
+def _hint(size) -> int:
+    """A symbolic size's example value (the size the graph was traced with)."""
+    return size if isinstance(size, int) else int(size.node.hint if size.node.hint is not None else 1)
+
+
+def _autotuned(problem, capability, selection, fake):
+    """Time the eligible backends on the call's sizes; the fastest replaces the table's choice."""
+    candidates = [name for name, why in rank_backends(problem, capability) if why is None]
+    if len(candidates) < 2:
+        return selection
+    block_table, kv_cache = fake[3], fake[2]
+    sizes = {"batch": _hint(block_table.shape[0]), "max_pages": _hint(block_table.shape[1]),
+             "num_pages": _hint(kv_cache.shape[0])}
+    winner = fastest_backend(problem, capability, candidates, sizes, fake[0].device)
+    if winner is None or winner == selection.backend:
+        return selection
+    return Selection(winner, selection.reasons + (f"autotune: {winner} measured faster than {selection.backend}",))
 
 
 @functools.cache
@@ -154,7 +176,8 @@ def _decode_patterns() -> PatternMatcherPass:
 
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
-    parts = [f"preference={user_preference()}", f"available={sorted(availability().items())}"]
+    parts = [f"preference={user_preference()}", f"autotune={autotune_enabled()}",
+             f"available={sorted(availability().items())}"]
     for lib in ("flashinfer", "flash_mla", "vllm", "triton"):
         try:
             parts.append(f"{lib}={__import__(lib).__version__}")

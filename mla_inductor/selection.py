@@ -111,16 +111,16 @@ def prefer_backends(*names: str) -> Iterator[None]:
         stack.pop()
 
 
-def select_backend(
+def rank_backends(
     problem: DecodeProblem,
     capability: Optional[tuple[int, int]],
     *,
     available: Optional[Mapping[str, Optional[str]]] = None,
     preference: Optional[Sequence[str]] = None,
-) -> Selection:
-    """The first backend of the user's preference (or the table's order) that is available and supports
-    the problem. ``available`` maps backend name -> None or why it is unavailable (default: probe the
-    installed libraries). Raises RuntimeError, listing every reason, when none can run the call."""
+) -> list[tuple[str, Optional[str]]]:
+    """Every backend in the order tried (the user's preference if any, else the table's), each with None
+    if it can run the call or the reason it cannot. ``available`` maps backend name -> None or why it is
+    unavailable (default: probe the installed libraries)."""
     from mla_inductor.backends import BACKEND_MODULES, availability, get_backend
 
     available = availability() if available is None else available
@@ -130,15 +130,26 @@ def select_backend(
         if unknown:
             raise ValueError(f"unknown MLA backend(s) {unknown} in the preference (${BACKEND_ENV} or "
                              f"prefer_backends); known: {sorted(BACKEND_MODULES)}")
-    order = list(preference) if preference else table_order(problem, capability)
-    reasons = []
-    for name in order:
+    ranked = []
+    for name in list(preference) if preference else table_order(problem, capability):
         why = available.get(name, "not installed") if name in BACKEND_MODULES else "not registered"
-        if why is None:
-            why = get_backend(name).supports(problem, capability)
+        ranked.append((name, why if why is not None else get_backend(name).supports(problem, capability)))
+    return ranked
+
+
+def select_backend(
+    problem: DecodeProblem,
+    capability: Optional[tuple[int, int]],
+    *,
+    available: Optional[Mapping[str, Optional[str]]] = None,
+    preference: Optional[Sequence[str]] = None,
+) -> Selection:
+    """The first backend of the user's preference (or the table's order) that is available and supports
+    the problem, with the reasons the ones ahead of it were passed over. Raises RuntimeError, listing
+    every reason, when none can run the call."""
+    reasons = []
+    for name, why in rank_backends(problem, capability, available=available, preference=preference):
         if why is None:
             return Selection(name, tuple(reasons))
         reasons.append(f"{name}: {why}")
-    raise RuntimeError(
-        f"no MLA backend can run {problem} on capability {capability}: " + "; ".join(reasons)
-    )
+    raise RuntimeError(f"no MLA backend can run {problem} on capability {capability}: " + "; ".join(reasons))
