@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter, which is chosen when @triton.jit runs:
+# set it before any test module imports triton (the Inductor CPU path does not use Triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,6 +35,11 @@ from mla_inductor.contract import DecodeProblem
 # name -> module defining BACKEND; order does not matter here, the selection table decides.
 BACKEND_MODULES = {
     "reference": "mla_inductor.backends.reference",
+    "triton": "mla_inductor.backends.triton",
+    "flashinfer_fa2": "mla_inductor.backends.flashinfer_fa2",
+    "flashinfer_fa3": "mla_inductor.backends.flashinfer_fa3",
+    "flashinfer_trtllm": "mla_inductor.backends.flashinfer_trtllm",
+    "flashinfer_xqa": "mla_inductor.backends.flashinfer_xqa",
 }
 
 

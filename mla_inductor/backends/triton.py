@@ -1,0 +1,84 @@
+"""Our Triton MLA decode kernels (``triton_kernels.py``) as a backend: the FP8-KV and portable path.
+
+Runs on any CUDA GPU Triton supports (fp8 caches from SM89, where e4m3 has hardware conversions) and,
+under ``TRITON_INTERPRET=1``, on CPU tensors (that is how CI tests the kernels).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from mla_inductor.backends import Backend
+from mla_inductor.contract import empty_decode_outputs
+
+SUPPORTED_L = (256, 512)
+SUPPORTED_R = (32, 64)
+_FP8_FORMATS = ("fp8_e4m3", "fp8_ds_mla")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@torch.library.custom_op("mla_triton::decode", mutates_args=())
+def triton_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor,
+    sparse_indices: Optional[torch.Tensor],
+    plan: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla.paged_decode_with_lse`` on our Triton kernels (``plan`` is unused: the split count is chosen
+    from static shapes, so nothing is planned per step)."""
+    from mla_inductor.backends.triton_kernels import triton_paged_decode
+
+    return triton_paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                               sparse_indices)
+
+
+@triton_decode.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    return empty_decode_outputs(q_nope)
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def unavailable_reason(self) -> Optional[str]:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        return None
+
+    def supports(self, problem, capability) -> Optional[str]:
+        if problem.device_type == "cpu":
+            if not _interpreting():
+                return "CPU tensors run Triton only under TRITON_INTERPRET=1"
+        elif problem.device_type != "cuda" or capability is None:
+            return f"needs a CUDA GPU, got {problem.device_type}"
+        elif capability < (8, 0):
+            return f"needs SM80 or newer, got SM{capability[0]}{capability[1]}"
+        elif problem.cache_format in _FP8_FORMATS and capability < (8, 9):
+            return f"{problem.cache_format} caches need SM89 or newer (e4m3 conversions), got SM{capability[0]}{capability[1]}"
+        if problem.kv_lora_rank not in SUPPORTED_L:
+            return f"kv_lora_rank must be one of {SUPPORTED_L}, got {problem.kv_lora_rank}"
+        if problem.rope_dim not in SUPPORTED_R:
+            return f"rope dim must be one of {SUPPORTED_R}, got {problem.rope_dim}"
+        return None
+
+    def compiled_op(self):
+        return torch.ops.mla_triton.decode.default
+
+    def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
+        return triton_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                             sparse_indices, [])
+
+
+BACKEND = TritonBackend()

@@ -1,0 +1,633 @@
+"""Triton MLA paged-decode kernels (portable path and FP8-KV paths).
+
+One query row attends to the single latent KV "head" of its sequence, so every head of that row reads
+the same KV bytes. The kernel therefore packs a block of heads into the M dimension of ``tl.dot``
+(``[BLOCK_H, L] x [L, BLOCK_N]`` for the logits, ``[BLOCK_H, BLOCK_N] x [BLOCK_N, L]`` for the output):
+one KV tile load feeds all heads of the block, and the matrix units do the arithmetic (wgmma on SM90
+when BLOCK_H is 64 and num_warps a multiple of 4, mma.sync for smaller head blocks).
+
+The KV sequence of each row is cut into ``num_splits`` contiguous ranges handled by different
+programs (split-KV / flash-decoding); each writes a normalised partial output and its log-sum-exp,
+and a small merge kernel combines them. With one split the main kernel writes the final output
+directly and no merge runs.
+
+The latent dimension L is processed as four chunks of L/4 (four accumulators, four logits partial
+products). That is what lets the fp8_ds_mla layout apply its four per-128-value scales *outside* the
+matrix products (exact fp8->bf16 conversion, scale applied to the [BLOCK_H, BLOCK_N] logits and to P),
+and it keeps each accumulator a separate register tile.
+
+Entry point: :func:`triton_paged_decode`. Everything here imports on a CPU-only machine; CPU tensors
+run through Triton's interpreter (slow, for tests only).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - triton is a hard dependency in practice
+    triton = None
+    tl = None
+    _HAVE_TRITON = False
+
+__all__ = ["triton_paged_decode", "DecodeConfig", "choose_config", "FP8_DS_MLA_ROW_BYTES"]
+
+FP8_DS_MLA_ROW_BYTES = 656  # 512 e4m3 latent + 4 fp32 scales + 64 bf16 rope
+_SUPPORTED_L = (256, 512)
+_SUPPORTED_R = (32, 64)
+
+# KV cache encodings, passed to the kernel as a constexpr.
+_KV_PLAIN = 0  # fp16 / bf16 / fp32 values
+_KV_FP8 = 1  # float8_e4m3fn, one per-tensor scale (latent and rope)
+_KV_DS = 2  # uint8 rows in the DeepSeek-V3.2 fp8_ds_mla layout
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _mla_decode_kernel(
+        QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
+        OUT, LSE, POUT, PLSE,
+        qk_scale,  # softmax_scale * log2(e): logits are kept in the log2 domain
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+        stride_kv_row,  # elements per cache row (bytes for the uint8 layouts)
+        stride_bt_b, stride_sp_t,
+        num_slots,  # P * page_size: bound on every slot we read
+        H, Q_PER_SEQ, TOPK,
+        L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        KV_MODE: tl.constexpr, IS_SPARSE: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE: tl.constexpr,
+        TRANS_LOAD: tl.constexpr, SWAP_QK: tl.constexpr, FP16_MMA: tl.constexpr,
+    ):
+        LC: tl.constexpr = L // 4
+        NUM_HB = tl.cdiv(H, BLOCK_H)
+        pid = tl.program_id(0)
+        # Head blocks of one (row, split) are adjacent in launch order, so they run together and
+        # share the KV tiles through L2.
+        hb = pid % NUM_HB
+        rest = pid // NUM_HB
+        split = rest % NUM_SPLITS
+        row = rest // NUM_SPLITS
+
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        offs_c = tl.arange(0, LC)
+        offs_r = tl.arange(0, R)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        if IS_SPARSE:
+            kv_len = TOPK
+            b = row
+        else:
+            b = row // Q_PER_SEQ
+            j = row % Q_PER_SEQ
+            # Causal among the new tokens: row j sees positions 0 .. seq_len - Q + j.
+            kv_len = tl.load(SEQ + b) - Q_PER_SEQ + j + 1
+            kv_len = tl.maximum(kv_len, 0)
+
+        # Balanced per-row split ranges, rounded to whole tiles.
+        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_len)
+
+        qn_base = QN + row.to(tl.int64) * stride_qn_t + offs_h[:, None] * stride_qn_h
+        q0 = tl.load(qn_base + offs_c[None, :], mask=hmask[:, None], other=0.0)
+        q1 = tl.load(qn_base + LC + offs_c[None, :], mask=hmask[:, None], other=0.0)
+        q2 = tl.load(qn_base + 2 * LC + offs_c[None, :], mask=hmask[:, None], other=0.0)
+        q3 = tl.load(qn_base + 3 * LC + offs_c[None, :], mask=hmask[:, None], other=0.0)
+        qp = tl.load(QP + row.to(tl.int64) * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_r[None, :],
+                     mask=hmask[:, None], other=0.0)
+        # cdt: precision the operands are rounded to (q's dtype). mdt: dtype handed to tl.dot, which is cdt
+        # except under the CPU interpreter, whose dot multiplies bf16 bit patterns as integers: there the
+        # operands are rounded to cdt and then widened, computing the same values.
+        cdt = q0.dtype
+        if FP16_MMA:
+            # fp8 KV with per-tensor scale: e4m3 -> fp16 is one cvt per pair (bf16 needs a detour through
+            # fp32), and P in [0, 1] is finer in fp16. q is pre-scaled by 2^-8 (exact) so that |q| up to
+            # ~1.6e7 stays finite in fp16; qk_scale gives the 2^8 back.
+            cdt = tl.float16
+            q0 = q0.to(tl.float32) * 0.00390625
+            q1 = q1.to(tl.float32) * 0.00390625
+            q2 = q2.to(tl.float32) * 0.00390625
+            q3 = q3.to(tl.float32) * 0.00390625
+            qp = qp.to(tl.float32) * 0.00390625
+            qk_scale = qk_scale * 256.0
+        if EMULATE:
+            mdt = tl.float32
+        else:
+            mdt = cdt
+        q0 = q0.to(cdt).to(mdt)
+        q1 = q1.to(cdt).to(mdt)
+        q2 = q2.to(cdt).to(mdt)
+        q3 = q3.to(cdt).to(mdt)
+        qp = qp.to(cdt).to(mdt)
+        if SWAP_QK:
+            # Logits computed transposed, K tile as the A operand: see the loop.
+            q0 = tl.trans(q0)
+            q1 = tl.trans(q1)
+            q2 = tl.trans(q2)
+            q3 = tl.trans(q3)
+            qp = tl.trans(qp)
+
+        if KV_MODE == 1:
+            kv_scale = tl.load(KV_SCALE)
+            qk_scale = qk_scale * kv_scale
+
+        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: an all-masked tile then gives p = 0, not NaN
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc0 = tl.zeros([BLOCK_H, LC], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, LC], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, LC], tl.float32)
+        acc3 = tl.zeros([BLOCK_H, LC], tl.float32)
+
+        for start in range(lo, hi, BLOCK_N):
+            t = start + offs_n
+            tmask = t < hi
+            if IS_SPARSE:
+                slot = tl.load(SPARSE + row.to(tl.int64) * stride_sp_t + t, mask=tmask, other=-1)
+            else:
+                page = tl.load(BT + b.to(tl.int64) * stride_bt_b + t // PAGE_SIZE, mask=tmask, other=0)
+                slot = page * PAGE_SIZE + t % PAGE_SIZE
+            valid = tmask & (slot >= 0) & (slot < num_slots)
+            slot = tl.where(valid, slot, 0)
+            kv_row = KV + slot.to(tl.int64) * stride_kv_row
+            vm = valid[:, None]
+            if KV_MODE == 0:
+                k0 = tl.load(kv_row[:, None] + offs_c[None, :], mask=vm, other=0.0).to(cdt).to(mdt)
+                k1 = tl.load(kv_row[:, None] + LC + offs_c[None, :], mask=vm, other=0.0).to(cdt).to(mdt)
+                k2 = tl.load(kv_row[:, None] + 2 * LC + offs_c[None, :], mask=vm, other=0.0).to(cdt).to(mdt)
+                k3 = tl.load(kv_row[:, None] + 3 * LC + offs_c[None, :], mask=vm, other=0.0).to(cdt).to(mdt)
+                kp = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=vm, other=0.0).to(cdt).to(mdt)
+                if SWAP_QK:
+                    k0t = k0
+                    k1t = k1
+                    k2t = k2
+                    k3t = k3
+                    kpt = kp
+                else:
+                    k0t = tl.trans(k0)
+                    k1t = tl.trans(k1)
+                    k2t = tl.trans(k2)
+                    k3t = tl.trans(k3)
+                    kpt = tl.trans(kp)
+            else:
+                # KV points at float8e4nv here (also for the fp8_ds_mla rows, whose first 512 bytes are
+                # e4m3). e4m3 -> bf16/fp16/fp32 is exact; the scales go onto logits and P instead.
+                k0 = tl.load(kv_row[:, None] + offs_c[None, :], mask=vm, other=0.0).to(mdt)
+                k1 = tl.load(kv_row[:, None] + LC + offs_c[None, :], mask=vm, other=0.0).to(mdt)
+                k2 = tl.load(kv_row[:, None] + 2 * LC + offs_c[None, :], mask=vm, other=0.0).to(mdt)
+                k3 = tl.load(kv_row[:, None] + 3 * LC + offs_c[None, :], mask=vm, other=0.0).to(mdt)
+                if SWAP_QK:
+                    k0t = k0
+                    k1t = k1
+                    k2t = k2
+                    k3t = k3
+                elif TRANS_LOAD:
+                    # The mma.sync path cannot transpose an 8-bit operand in shared memory; a transposed
+                    # register copy of the tile stops Triton from pipelining the load at all (seen in the
+                    # TTGIR). Loading the tile a second time, already transposed, keeps both loads
+                    # asynchronous; the second read hits L2.
+                    kvt = kv_row[None, :]
+                    k0t = tl.load(kvt + offs_c[:, None], mask=valid[None, :], other=0.0).to(mdt)
+                    k1t = tl.load(kvt + LC + offs_c[:, None], mask=valid[None, :], other=0.0).to(mdt)
+                    k2t = tl.load(kvt + 2 * LC + offs_c[:, None], mask=valid[None, :], other=0.0).to(mdt)
+                    k3t = tl.load(kvt + 3 * LC + offs_c[:, None], mask=valid[None, :], other=0.0).to(mdt)
+                else:
+                    k0t = tl.trans(k0)
+                    k1t = tl.trans(k1)
+                    k2t = tl.trans(k2)
+                    k3t = tl.trans(k3)
+                if KV_MODE == 1:
+                    if SWAP_QK:
+                        kpt = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=vm, other=0.0).to(mdt)
+                    else:
+                        kpt = tl.load(kv_row[None, :] + L + offs_r[:, None], mask=valid[None, :],
+                                      other=0.0).to(mdt)
+                else:
+                    sc_row = (kv_row + L).to(tl.pointer_type(tl.float32))
+                    s0 = tl.load(sc_row, mask=valid, other=0.0)
+                    s1 = tl.load(sc_row + 1, mask=valid, other=0.0)
+                    s2 = tl.load(sc_row + 2, mask=valid, other=0.0)
+                    s3 = tl.load(sc_row + 3, mask=valid, other=0.0)
+                    rp_row = (kv_row + L + 16).to(tl.pointer_type(tl.bfloat16))
+                    kp = tl.load(rp_row[:, None] + offs_r[None, :], mask=vm, other=0.0).to(cdt).to(mdt)
+                    if SWAP_QK:
+                        kpt = kp
+                    else:
+                        kpt = tl.trans(kp)
+
+            if SWAP_QK:
+                # qk^T = K q^T: the K tile is the A operand in its stored (K-contiguous) order, which the
+                # mma.sync path reads straight from shared memory even for 8-bit data.
+                if KV_MODE == 2:
+                    qkt = tl.dot(k0t, q0, input_precision=DOT_PREC) * s0[:, None]
+                    qkt += tl.dot(k1t, q1, input_precision=DOT_PREC) * s1[:, None]
+                    qkt += tl.dot(k2t, q2, input_precision=DOT_PREC) * s2[:, None]
+                    qkt += tl.dot(k3t, q3, input_precision=DOT_PREC) * s3[:, None]
+                    qkt = tl.dot(kpt, qp, qkt, input_precision=DOT_PREC)
+                else:
+                    qkt = tl.dot(k0t, q0, input_precision=DOT_PREC)
+                    qkt = tl.dot(k1t, q1, qkt, input_precision=DOT_PREC)
+                    qkt = tl.dot(k2t, q2, qkt, input_precision=DOT_PREC)
+                    qkt = tl.dot(k3t, q3, qkt, input_precision=DOT_PREC)
+                    qkt = tl.dot(kpt, qp, qkt, input_precision=DOT_PREC)
+                qk = tl.trans(qkt)
+            elif KV_MODE == 2:
+                qk = tl.dot(q0, k0t, input_precision=DOT_PREC) * s0[None, :]
+                qk += tl.dot(q1, k1t, input_precision=DOT_PREC) * s1[None, :]
+                qk += tl.dot(q2, k2t, input_precision=DOT_PREC) * s2[None, :]
+                qk += tl.dot(q3, k3t, input_precision=DOT_PREC) * s3[None, :]
+                qk = tl.dot(qp, kpt, qk, input_precision=DOT_PREC)
+            else:
+                qk = tl.dot(q0, k0t, input_precision=DOT_PREC)
+                qk = tl.dot(q1, k1t, qk, input_precision=DOT_PREC)
+                qk = tl.dot(q2, k2t, qk, input_precision=DOT_PREC)
+                qk = tl.dot(q3, k3t, qk, input_precision=DOT_PREC)
+                qk = tl.dot(qp, kpt, qk, input_precision=DOT_PREC)
+            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            a2 = alpha[:, None]
+            if KV_MODE == 2:
+                acc0 = tl.dot((p * s0[None, :]).to(cdt).to(mdt), k0, acc0 * a2, input_precision=DOT_PREC)
+                acc1 = tl.dot((p * s1[None, :]).to(cdt).to(mdt), k1, acc1 * a2, input_precision=DOT_PREC)
+                acc2 = tl.dot((p * s2[None, :]).to(cdt).to(mdt), k2, acc2 * a2, input_precision=DOT_PREC)
+                acc3 = tl.dot((p * s3[None, :]).to(cdt).to(mdt), k3, acc3 * a2, input_precision=DOT_PREC)
+            else:
+                pc = p.to(cdt).to(mdt)
+                acc0 = tl.dot(pc, k0, acc0 * a2, input_precision=DOT_PREC)
+                acc1 = tl.dot(pc, k1, acc1 * a2, input_precision=DOT_PREC)
+                acc2 = tl.dot(pc, k2, acc2 * a2, input_precision=DOT_PREC)
+                acc3 = tl.dot(pc, k3, acc3 * a2, input_precision=DOT_PREC)
+
+        empty = l_i == 0.0
+        inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+        if KV_MODE == 1:
+            inv = inv * kv_scale
+        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        inv2 = inv[:, None]
+        if NUM_SPLITS == 1:
+            o_base = OUT + row.to(tl.int64) * H * L + offs_h[:, None] * L + offs_c[None, :]
+            odt = OUT.dtype.element_ty
+            tl.store(o_base, (acc0 * inv2).to(odt), mask=hmask[:, None])
+            tl.store(o_base + LC, (acc1 * inv2).to(odt), mask=hmask[:, None])
+            tl.store(o_base + 2 * LC, (acc2 * inv2).to(odt), mask=hmask[:, None])
+            tl.store(o_base + 3 * LC, (acc3 * inv2).to(odt), mask=hmask[:, None])
+            tl.store(LSE + row.to(tl.int64) * H + offs_h, lse2 * 0.6931471805599453, mask=hmask)
+        else:
+            # Partial results: [T, H, NUM_SPLITS, L] fp32 and [T, H, NUM_SPLITS] (log2 domain).
+            ph = (row.to(tl.int64) * H + offs_h) * NUM_SPLITS + split
+            p_base = POUT + ph[:, None] * L + offs_c[None, :]
+            tl.store(p_base, acc0 * inv2, mask=hmask[:, None])
+            tl.store(p_base + LC, acc1 * inv2, mask=hmask[:, None])
+            tl.store(p_base + 2 * LC, acc2 * inv2, mask=hmask[:, None])
+            tl.store(p_base + 3 * LC, acc3 * inv2, mask=hmask[:, None])
+            tl.store(PLSE + ph, lse2, mask=hmask)
+
+    @triton.jit
+    def _mla_merge_kernel(POUT, PLSE, OUT, LSE, NUM_SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr):
+        # One program per (row, head): combine the split partials by their log-sum-exp weights.
+        rh = tl.program_id(0).to(tl.int64)
+        offs_s = tl.arange(0, BLOCK_S)
+        smask = offs_s < NUM_SPLITS
+        lse = tl.load(PLSE + rh * NUM_SPLITS + offs_s, mask=smask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m_safe)  # 0 for empty splits
+        tot = tl.sum(w, 0)
+        empty = tot == 0.0
+        wn = w / tl.where(empty, 1.0, tot)
+        offs_l = tl.arange(0, L)
+        part = tl.load(POUT + (rh * NUM_SPLITS + offs_s[:, None]) * L + offs_l[None, :], mask=smask[:, None],
+                       other=0.0)
+        o = tl.sum(part * wn[:, None], 0)
+        tl.store(OUT + rh * L + offs_l, o.to(OUT.dtype.element_ty))
+        lse_out = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
+        tl.store(LSE + rh, lse_out)
+
+
+class DecodeConfig:
+    """Launch parameters of the decode kernel."""
+
+    __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma")
+
+    def __init__(self, block_h: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
+                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None):
+        self.block_h = block_h
+        self.block_n = block_n
+        self.num_splits = num_splits
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        # fp8 caches: how the logits product gets the K tile ("swap": K as the A operand, "reload": a
+        # second transposed load, "trans": transpose in registers; "auto": reload below 64 heads per block, else trans).
+        self.fp8_qk = fp8_qk
+        # fp8 per-tensor caches: run the matrix products in fp16 (None: yes).
+        self.fp16_mma = fp16_mma
+
+    def __repr__(self) -> str:
+        return (f"DecodeConfig({self.block_h}, {self.block_n}, ns={self.num_splits}, w={self.num_warps}, "
+                f"st={self.num_stages}, qk={self.fp8_qk}, f16={self.fp16_mma})")
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots: int, max_splits: int = 64) -> int:
+    """Split count from a simple wave model.
+
+    ``slots`` is how many programs the GPU runs at once. Time ~ waves * (tiles per split + c), where c
+    stands for the per-program fixed cost (loading Q, writing a partial); the merge pass adds a little.
+    Of the counts within 3% of the best estimate, the smallest wins: splitting only pays when it fills
+    SMs that would otherwise idle.
+    """
+    tiles = max(1, -(-kv_len // block_n))
+    base = max(1, rows * head_blocks)
+    costs = []
+    for ns in range(1, min(max_splits, tiles) + 1):
+        waves = -(-base * ns // slots)
+        costs.append(waves * (-(-tiles // ns) + 2.0) + (1.0 if ns > 1 else 0.0))
+    best = min(costs)
+    return next(i + 1 for i, c in enumerate(costs) if c <= best * 1.03)
+
+
+def choose_config(T: int, H: int, kv_len: int, kv_mode: int, device: torch.device) -> DecodeConfig:
+    """Heuristic launch configuration (tuned on H100; see docs/triton_notes.md). Cached per shape."""
+    return _choose_config_cached(T, H, kv_len, kv_mode, device.type, device.index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeConfig:
+    device = torch.device(dev_type, dev_index) if dev_index is not None else torch.device(dev_type)
+    if device.type != "cuda":
+        # Interpreter: any legal shape computes the same thing; small tiles keep it quick.
+        block_h = 16 if H <= 16 else 32
+        return DecodeConfig(block_h, 16, 1 if kv_len <= 64 else 2, 4, 1)
+    if H > 32:
+        # 64 heads per program on wgmma; BLOCK_N=64 halves the per-tile fixed costs against 32
+        # (H100, B=64 H=128 S=4096 bf16: 323 us vs 426 us), at ~220 KB of shared memory: one program per SM.
+        block_h, num_warps, block_n, stages, per_sm = 64, 8, 64, 2, 1
+    elif H > 16:
+        block_h, num_warps, block_n, stages, per_sm = 32, 4, 32, 3, 2
+    else:
+        block_h, num_warps, block_n, stages, per_sm = 16, 4, 32, 3, 2
+    hb = -(-H // block_h)
+    ns = choose_splits(T, hb, kv_len, block_n, _sm_count(device) * per_sm)
+    return DecodeConfig(block_h, block_n, ns, num_warps, stages)
+
+
+_LAST_COMPILED = None  # most recent compiled decode kernel (benchmarks read its register/spill report)
+
+
+def _kernel_for(kernel, device: torch.device):
+    """The kernel to launch; CPU tensors only run under Triton's interpreter."""
+    if device.type != "cuda":
+        from triton.runtime.jit import JITFunction
+
+        if isinstance(kernel, JITFunction):
+            # The interpreter is chosen when @triton.jit runs (triton's own helpers included), so the
+            # variable must be set before triton is first imported.
+            raise RuntimeError("triton_paged_decode on CPU tensors needs TRITON_INTERPRET=1 set before triton "
+                               "is imported")
+    return kernel
+
+
+def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices):
+    if q_nope.dim() != 3 or q_pe.dim() != 3:
+        raise ValueError(f"q_nope and q_pe must be [T, H, D]; got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}")
+    T, H, L = q_nope.shape
+    if q_pe.shape[:2] != (T, H):
+        raise ValueError(f"q_pe leading dims {tuple(q_pe.shape[:2])} differ from q_nope's {(T, H)}")
+    R = q_pe.shape[2]
+    if L not in _SUPPORTED_L:
+        raise ValueError(f"q_nope: kv_lora_rank L={L} not supported (supported: {_SUPPORTED_L})")
+    if R not in _SUPPORTED_R:
+        raise ValueError(f"q_pe: rope dim R={R} not supported (supported: {_SUPPORTED_R})")
+    return T, H, L, R
+
+
+def _kv_mode(kv_cache: torch.Tensor, L: int, R: int) -> int:
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [P, page_size, row]; got shape {tuple(kv_cache.shape)}")
+    if kv_cache.dtype == torch.uint8:
+        if kv_cache.shape[2] != FP8_DS_MLA_ROW_BYTES or L != 512 or R != 64:
+            raise ValueError(f"kv_cache: uint8 caches must use the fp8_ds_mla layout ([P, page, 656], L=512, R=64); "
+                             f"got row {kv_cache.shape[2]} with L={L}, R={R}")
+        return _KV_DS
+    if kv_cache.shape[2] != L + R:
+        raise ValueError(f"kv_cache: row length {kv_cache.shape[2]} != L + R = {L + R}")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return _KV_FP8
+    if kv_cache.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return _KV_PLAIN
+    raise ValueError(f"kv_cache: dtype {kv_cache.dtype} not supported")
+
+
+def triton_paged_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: Optional[torch.Tensor],
+    sparse_indices: Optional[torch.Tensor] = None,
+    config: Optional[DecodeConfig] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MLA paged decode attention with absorbed queries.
+
+    Args:
+        q_nope: [T, H, L] fp16/bf16/fp32, L in {256, 512}; last dim contiguous. T = B * Q.
+        q_pe: [T, H, R], same dtype, R in {32, 64}; last dim contiguous.
+        kv_cache: [P, page_size, L + R] fp16/bf16/fp32 or float8_e4m3fn (per-tensor ``kv_scale``), or uint8
+            [P, page_size, 656] in the fp8_ds_mla layout (L=512, R=64).
+        block_table: int32 [B, max_pages]; entries past a sequence's last page are never read.
+        seq_lens: int32 [B], cached tokens per sequence including the Q new ones.
+        softmax_scale: scale on q.k.
+        kv_scale: fp32 tensor with one element (used for float8_e4m3fn caches; read on device).
+        sparse_indices: optional int32 [T, K] slots ``page * page_size + offset``, -1 = padding. When given,
+            each row attends exactly to its listed slots (no causal mask); block_table/seq_lens are unused.
+        config: optional launch override (benchmarks/tuning); default from :func:`choose_config`.
+        out, lse: optional preallocated outputs (contiguous [T, H, L] in q's dtype, fp32 [T, H]).
+
+    Returns:
+        (out [T, H, L] in q's dtype, lse [T, H] fp32 natural-log log-sum-exp of the scaled logits).
+        Rows with nothing to attend give out 0 and lse -inf.
+    """
+    _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices)
+    return _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                              sparse_indices, config, out, lse)
+
+
+def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
+    """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns]."""
+    return (torch.empty((T, H, ns, L), dtype=torch.float32, device=device),
+            torch.empty((T, H, ns), dtype=torch.float32, device=device))
+
+
+def _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                       sparse_indices=None, config=None, out=None, lse=None):
+    """:func:`triton_paged_decode` without the L/R whitelist.
+
+    Tests run the interpreter at small L (a power of two, multiple of 4) and R to stay fast; the kernel
+    itself is generic in them. On GPU, L/4 and R must be at least 16 (tl.dot's minimum).
+    """
+    if q_nope.dim() != 3 or q_pe.dim() != 3:
+        raise ValueError(f"q_nope and q_pe must be [T, H, D]; got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}")
+    T, H, L = q_nope.shape
+    R = q_pe.shape[2]
+    if L % 4 or _next_pow2(L) != L or _next_pow2(R) != R:
+        raise ValueError(f"q_nope/q_pe: L={L} and R={R} must be powers of two (L a multiple of 4)")
+    kv_mode = _kv_mode(kv_cache, L, R)
+    if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("q_nope / q_pe: last dimension must be contiguous")
+    if q_nope.dtype != q_pe.dtype or q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q_nope/q_pe: dtypes {q_nope.dtype}/{q_pe.dtype} must match and be fp16, bf16 or fp32")
+    if kv_mode == _KV_FP8 and kv_scale is None:
+        raise ValueError("kv_scale: required for a float8_e4m3fn kv_cache")
+    if kv_cache.stride(2) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        raise ValueError("kv_cache: rows must be contiguous and pages densely packed ([P, page, row] view)")
+    device = q_nope.device
+    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    if page_size < 1:
+        raise ValueError(f"kv_cache: page_size {page_size} must be >= 1")
+    if out is None:
+        out = torch.empty((T, H, L), dtype=q_nope.dtype, device=device)
+    elif out.shape != (T, H, L) or out.dtype != q_nope.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous {q_nope.dtype} {(T, H, L)}; got {out.dtype} {tuple(out.shape)}")
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=device)
+    elif lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse: expected contiguous float32 {(T, H)}; got {lse.dtype} {tuple(lse.shape)}")
+    if T == 0 or H == 0:
+        return out, lse
+
+    if sparse_indices is not None:
+        if sparse_indices.dim() != 2 or sparse_indices.shape[0] != T:
+            raise ValueError(f"sparse_indices: expected [T={T}, K]; got {tuple(sparse_indices.shape)}")
+        if sparse_indices.dtype != torch.int32:
+            raise ValueError(f"sparse_indices: dtype must be int32, got {sparse_indices.dtype}")
+        if sparse_indices.stride(1) != 1:
+            sparse_indices = sparse_indices.contiguous()
+        topk = sparse_indices.shape[1]
+        kv_len_hint = topk
+        q_per_seq = 1
+        bt, sl, sp = kv_cache, kv_cache, sparse_indices  # bt/sl unused: any tensor pointer will do
+        stride_bt = 0
+        if topk == 0:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return out, lse
+    else:
+        if block_table.dim() != 2 or block_table.dtype != torch.int32:
+            raise ValueError(f"block_table: expected int32 [B, max_pages]; got {block_table.dtype} "
+                             f"{tuple(block_table.shape)}")
+        if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0] or seq_lens.dtype != torch.int32:
+            raise ValueError(f"seq_lens: expected int32 [B={block_table.shape[0]}]; got {seq_lens.dtype} "
+                             f"{tuple(seq_lens.shape)}")
+        B = block_table.shape[0]
+        if B == 0 or T % B != 0:
+            raise ValueError(f"q_nope: T={T} must be a multiple of the batch size B={B}")
+        q_per_seq = T // B
+        if block_table.stride(1) != 1:
+            block_table = block_table.contiguous()
+        topk = 0
+        # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
+        kv_len_hint = max(1, block_table.shape[1] * page_size)
+        bt, sl, sp = block_table, seq_lens, block_table
+        stride_bt = block_table.stride(0)
+
+    if kv_scale is None:
+        kv_scale_t = torch.ones(1, dtype=torch.float32, device=device)
+    else:
+        if kv_scale.numel() != 1:
+            raise ValueError(f"kv_scale: expected one element, got {kv_scale.numel()}")
+        kv_scale_t = kv_scale.reshape(1)
+        if kv_scale_t.dtype != torch.float32:
+            kv_scale_t = kv_scale_t.float()
+
+    cfg = config or choose_config(T, H, kv_len_hint, kv_mode, device)
+    # Both fp8 layouts are read through an e4m3 pointer (ds rows: byte offsets == element offsets).
+    kv = kv_cache.view(torch.float8_e4m3fn) if kv_mode == _KV_DS else kv_cache
+    stride_row = kv_cache.stride(1)
+    num_slots = P * page_size
+    hb = triton.cdiv(H, cfg.block_h)
+    ns = max(1, int(cfg.num_splits))
+    if ns > 1:
+        pout, plse = _alloc_partials(T, H, ns, L, device)
+    else:
+        pout, plse = out, lse  # unused
+
+    emulate = device.type != "cuda"
+    dot_prec = "ieee" if (q_nope.dtype == torch.float32 or emulate) else "tf32"
+    fp8_qk = cfg.fp8_qk
+    if fp8_qk == "auto":
+        fp8_qk = "reload" if cfg.block_h < 64 else "trans"
+    if kv_mode == _KV_PLAIN and fp8_qk == "reload":
+        fp8_qk = "trans"
+    fp16_mma = kv_mode == _KV_FP8 and (cfg.fp16_mma is None or cfg.fp16_mma)
+    global _LAST_COMPILED
+    kern = _kernel_for(_mla_decode_kernel, device)
+    while True:
+        try:
+            _LAST_COMPILED = _launch(kern, cfg, ns, hb, fp8_qk, fp16_mma, q_nope, q_pe, kv, bt, sl, sp, kv_scale_t, out,
+                                     lse, pout, plse, softmax_scale, stride_row, stride_bt, num_slots, H, q_per_seq,
+                                     topk, L, R, page_size, kv_mode, sparse_indices is not None, dot_prec, emulate)
+            break
+        except Exception as e:  # noqa: BLE001
+            # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
+            # defaults were tuned on): halve BLOCK_N and retry; the result does not depend on it.
+            if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
+                raise
+            cfg = DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
+                               cfg.fp8_qk, cfg.fp16_mma)
+    if ns > 1:
+        merge = _kernel_for(_mla_merge_kernel, device)
+        merge[(T * H,)](pout, plse, out, lse, ns, L=L, BLOCK_S=_next_pow2(ns), num_warps=4)
+    return out, lse
+
+
+def _launch(kern, cfg, ns, hb, fp8_qk, fp16_mma, q_nope, q_pe, kv, bt, sl, sp, kv_scale_t, out, lse, pout, plse,
+            softmax_scale, stride_row, stride_bt, num_slots, H, q_per_seq, topk, L, R, page_size, kv_mode, is_sparse,
+            dot_prec, emulate):
+    T = q_nope.shape[0]
+    return kern[(T * ns * hb,)](
+        q_nope, q_pe, kv, bt, sl, sp, kv_scale_t,
+        out, lse, pout, plse,
+        float(softmax_scale) * _LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        stride_row, stride_bt, sp.stride(0),
+        num_slots, H, q_per_seq, topk,
+        L=L, R=R, PAGE_SIZE=page_size,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=ns,
+        KV_MODE=kv_mode, IS_SPARSE=is_sparse, DOT_PREC=dot_prec, EMULATE=emulate,
+        TRANS_LOAD=fp8_qk == "reload", SWAP_QK=fp8_qk == "swap", FP16_MMA=fp16_mma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

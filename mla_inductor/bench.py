@@ -1,0 +1,349 @@
+"""Benchmark our Triton MLA paged decode against the peer kernels on the same shapes.
+
+Usage (GPU machine, project root):
+    source .gpu-deps/env.sh; python -m mla_inductor.bench [--quick] [--ours-only] [--no-sparse] [--sweep]
+
+Shapes, cases, references and the peers come from ``.gpu-deps/peers.py`` (imported, not copied), so our
+rows and the peers' rows are measured the same way: ``triton.testing.do_bench`` median, warmup=25, rep=200.
+Each of our rows shows its relative L2 error against the fp32 reference (fp8 rows: against the reference
+on the dequantized cache), achieved GB/s (KV bytes only, as the peer table counts them), TFLOP/s, and
+``floor``: measured time over max(bytes / 3.0 TB/s, FLOPs / 989 TFLOP/s), the H100 bound.
+The table goes to stdout and, when $OUT is set, to $OUT/bench.txt with a plot $OUT/bench.png.
+``--sweep`` instead times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
+``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HBM_BPS = 3.0e12  # H100 SXM device-to-device copy, measured on the lent machine (KINDS.md)
+PEAK_FLOPS = 989e12  # H100 SXM dense bf16 datasheet
+D_CKV, D_PE = 512, 64
+
+
+def _load_peers():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for base in (os.getcwd(), root):
+        path = os.path.join(base, ".gpu-deps")
+        if os.path.exists(os.path.join(path, "peers.py")):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+            return importlib.import_module("peers")
+    raise RuntimeError(".gpu-deps/peers.py not found (run from the project root)")
+
+
+def _err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _ours(c, kind, config=None):
+    """Closure running our kernel on a peers.make_case case; returns (fn, reference, bytes per token)."""
+    from mla_inductor.backends.triton_kernels import triton_paged_decode
+
+    pm = _PEERS
+    q = c["q"]
+    qn, qp = q[..., :D_CKV], q[..., D_CKV:]
+    one = torch.ones(1, dtype=torch.float32, device=q.device)
+    if kind == "bf16":
+        cache, scale, ref, per_tok = c["cache"], one, c["ref"], (D_CKV + D_PE) * 2
+    elif kind == "fp8":
+        cache, k_scale = pm.fp8_cache(c)
+        scale, ref, per_tok = k_scale.reshape(1).float(), c["ref_fp8"], D_CKV + D_PE
+    elif kind == "ds":
+        if "ds" not in c:
+            c["ds"] = pm.ds_mla_cache(c["cache"])
+            c["ref_ds"] = pm.reference(c, c["ds"][1])
+        cache, scale, ref, per_tok = c["ds"][0], one, c["ref_ds"], 656
+    else:
+        raise ValueError(kind)
+
+    def run():
+        return triton_paged_decode(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, config=config)[0]
+    return run, ref, per_tok
+
+
+def _ours_sparse(c, kind, config=None):
+    from mla_inductor.backends.triton_kernels import triton_paged_decode
+
+    pm = _PEERS
+    q = c["q"]
+    qn, qp = q[..., :D_CKV], q[..., D_CKV:]
+    one = torch.ones(1, dtype=torch.float32, device=q.device)
+    if kind == "bf16":
+        cache, ref, per_tok = c["cache"], pm.sparse_reference(c, c["cache"]), 1152
+    else:
+        packed, deq = pm.ds_mla_cache(c["cache"])
+        cache, ref, per_tok = packed, pm.sparse_reference(c, deq), 656
+
+    def run():
+        return triton_paged_decode(qn, qp, cache, c["block_table"], c["lens"], c["scale"], one,
+                                   sparse_indices=c["indices"], config=config)[0]
+    return run, ref, per_tok
+
+
+def _bench(fn):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _row(label, name, ms, kv_bytes, flops, err, extra=""):
+    floor = max(kv_bytes / HBM_BPS, flops / PEAK_FLOPS) * 1e3
+    return (f"{label} {name:<22} {ms*1e3:9.1f} us {kv_bytes/ms/1e6:7.0f} GB/s {flops/ms/1e9:6.1f} TF/s "
+            f"err={err:.1e} floor={ms/floor:4.2f}x{extra}")
+
+
+_PEERS = None
+OURS = ("triton_bf16", "triton_fp8", "triton_ds")
+
+
+def run_dense(cfgs, peer_names, rows, results):
+    pm = _PEERS
+    broken = set()
+    for cfg in cfgs:
+        varlen = cfg[0] == "var"
+        B, H, S = cfg[1:] if varlen else cfg
+        c = pm.make_case(B, H, S, varlen=varlen)
+        c["ref"] = pm.reference(c)
+        tokens = int(c["lens"].sum())
+        label = f"{'var' if varlen else ''}B={B:<4} H={H:<4} S={S:<6}"
+        flops = 2 * tokens * H * (D_CKV + D_PE + D_CKV)
+        for name in list(OURS) + list(peer_names):
+            if name in broken:
+                continue
+            try:
+                t0 = time.time()
+                if name in OURS:
+                    fn, ref, per_tok = _ours(c, name.split("_", 1)[1])
+                else:
+                    fn = pm.PEERS[name](c)
+                    ref = c["ref"]
+                    per_tok = (D_CKV + D_PE) * (1 if name.endswith("fp8") else 2)
+                out = fn()
+                torch.cuda.synchronize()
+                first = time.time() - t0
+                if name in pm.PEERS and name.endswith("fp8"):
+                    r = c.pop("ref_fp8q", None)
+                    ref = c["ref_fp8"] if r is None else r
+                err = _err(out, ref)
+                ms = _bench(fn)
+                row = _row(label, name, ms, tokens * per_tok, flops, err, f" first={first:.1f}s")
+                results.setdefault(label, {})[name] = ms * 1e3
+            except Exception as e:  # a peer (or variant) that cannot run here is reported, not fatal
+                if name not in OURS:
+                    broken.add(name)
+                row = f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc(limit=3)
+            print(row, flush=True)
+            rows.append(row)
+
+
+def run_sparse(peer_names, rows, results):
+    pm = _PEERS
+    for B, H, S, topk in pm.SPARSE:
+        c = pm.sparse_case(B, H, S, topk)
+        label = f"sparse B={B:<4} H={H:<4} S={S:<6} topk={topk}"
+        flops = 2 * B * topk * H * (D_CKV + D_PE + D_CKV)
+        names = ["triton_sparse_bf16", "triton_sparse_ds"] + [n for n in pm.SPARSE_PEERS if n in peer_names]
+        for name in names:
+            try:
+                if name.startswith("triton"):
+                    fn, ref, per_tok = _ours_sparse(c, name.rsplit("_", 1)[1])
+                else:
+                    fn = pm.SPARSE_PEERS[name](c)
+                    ref, per_tok = c["ref_sparse"], (656 if "fp8" in name else 1152)
+                out = fn()
+                torch.cuda.synchronize()
+                err = _err(out, ref)
+                ms = _bench(fn)
+                row = _row(label, name, ms, B * topk * per_tok, flops, err)
+                results.setdefault(label, {})[name] = ms * 1e3
+            except Exception as e:  # noqa: BLE001
+                row = f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc(limit=3)
+            print(row, flush=True)
+            rows.append(row)
+
+
+def targets(results):
+    """The issue's performance targets, checked against this run's numbers."""
+    lines = []
+
+    def get(label, name):
+        return results.get(label, {}).get(name)
+
+    def chk(desc, ours, bound):
+        if ours is None or bound is None:
+            lines.append(f"target {desc}: not measured")
+        else:
+            lines.append(f"target {desc}: ours {ours:.1f} us, bound {bound:.1f} us -> "
+                         f"{'MET' if ours <= bound else 'MISSED'}")
+
+    for B in (64, 128):
+        lab = f"B={B:<4} H={128:<4} S={4096:<6}"
+        fa3 = get(lab, "flashinfer_fa3")
+        chk(f"bf16 H=128 B={B} >= 0.5x FA3", get(lab, "triton_bf16"), fa3 / 0.5 if fa3 else None)
+    lab = f"B={128:<4} H={16:<4} S={4096:<6}"
+    fa3 = get(lab, "flashinfer_fa3")
+    chk("bf16 H=16 B=128 >= 0.8x FA3", get(lab, "triton_bf16"), fa3 / 0.8 if fa3 else None)
+    chk("fp8 H=16 B=128 >= 1.3x FA3-bf16", get(lab, "triton_fp8"), fa3 / 1.3 if fa3 else None)
+    lab = f"B={64:<4} H={128:<4} S={4096:<6}"
+    vt = get(lab, "vllm_triton_fp8")
+    chk("fp8 H=128 B=64 >= 4x vllm_triton_fp8", get(lab, "triton_fp8"), vt / 4 if vt else None)
+    return lines
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"plot skipped: matplotlib not importable ({type(e).__name__})")
+        return
+    labels = list(results)
+    names = sorted({n for v in results.values() for n in v})
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 1.4), 5))
+    w = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        xs = [j + i * w for j in range(len(labels))]
+        ax.bar(xs, [results[lab].get(n, 0) for lab in labels], width=w, label=n)
+    ax.set_xticks([j + 0.4 for j in range(len(labels))])
+    ax.set_xticklabels([" ".join(lab.split()) for lab in labels], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("median time (us), lower is better")
+    ax.set_yscale("log")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+# ----------------------------------------------------------------------------- tuning sweep
+def sweep(out_dir):
+    """Time launch configs on the tuning shapes; prints one line per (shape, kind, config)."""
+    from mla_inductor.backends import triton_kernels as tk
+
+    pm = _PEERS
+    DC = tk.DecodeConfig
+    def D(bh, bn, w, st, ns=1, qk="auto", f16=None):
+        return DC(bh, bn, ns, w, st, fp8_qk=qk, fp16_mma=f16)
+
+    plans = {
+        (64, 128, 4096): {"bf16": [None], "fp8": [None], "ds": [None, D(64, 32, 8, 3)]},
+        (128, 16, 4096): {
+            "bf16": [None, D(16, 64, 4, 3, 2, "swap"), D(16, 64, 4, 2, 2, "swap"), D(16, 64, 4, 3, 4, "swap")],
+            "fp8": [None, D(16, 32, 4, 2, 2, "reload"), D(16, 32, 4, 4, 2, "reload")],
+        },
+    }
+    lines = []
+    for (B, H, S), kinds in plans.items():
+        c = pm.make_case(B, H, S)
+        c["ref"] = pm.reference(c)
+        tokens = B * S
+        for kind, cfgs in kinds.items():
+            for cfg in cfgs:
+                try:
+                    fn, ref, per_tok = _ours(c, kind, cfg)
+                    out = fn()
+                    torch.cuda.synchronize()
+                    err = _err(out, ref)
+                    ms = _bench(fn)
+                    regs = ""
+                    try:  # resource report of the compiled kernel the launch used
+                        ck = tk._LAST_COMPILED
+                        regs = f" regs={ck.n_regs} spills={ck.n_spills} smem={ck.metadata.shared}"
+                    except Exception:  # noqa: BLE001
+                        pass
+                    line = (f"sweep B={B} H={H} S={S} {kind:<5} {cfg or 'default'}: {ms*1e3:8.1f} us "
+                            f"{tokens*per_tok/ms/1e6:6.0f} GB/s err={err:.1e}{regs}")
+                except Exception as e:  # noqa: BLE001
+                    line = f"sweep B={B} H={H} {kind} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}"
+                print(line, flush=True)
+                lines.append(line)
+    if out_dir:
+        with open(os.path.join(out_dir, "sweep.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def overhead(out_dir):
+    """Eager do_bench vs CUDA-graph replay vs host time per call, for our kernel on small and large batches.
+
+    Small batches finish on the GPU faster than Python can launch them; eager timings then measure the
+    launcher, which a served model avoids by capturing decode steps in CUDA graphs.
+    """
+    import triton
+
+    pm = _PEERS
+    lines = []
+    for (B, H, S) in [(1, 128, 4096), (16, 128, 4096), (64, 128, 4096), (1, 16, 4096), (32, 16, 4096),
+                      (128, 16, 4096)]:
+        c = pm.make_case(B, H, S)
+        c["ref"] = pm.reference(c)
+        for kind in ("bf16", "fp8", "ds"):
+            try:
+                fn, ref, per_tok = _ours(c, kind)
+                fn()
+                torch.cuda.synchronize()
+                eager = _bench(fn)
+                graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                host = (time.perf_counter() - t0) / 50
+                torch.cuda.synchronize()
+                line = (f"overhead B={B:<4} H={H:<4} S={S} {kind:<5} eager {eager*1e3:8.1f} us  graph {graph*1e3:8.1f} us"
+                        f"  host/call {host*1e6:6.1f} us")
+            except Exception as e:  # noqa: BLE001
+                line = f"overhead B={B} H={H} {kind}: FAILED {type(e).__name__}: {str(e)[:200]}"
+            print(line, flush=True)
+            lines.append(line)
+    if out_dir:
+        with open(os.path.join(out_dir, "overhead.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    global _PEERS
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("mla_inductor.bench needs a CUDA GPU (torch.cuda.is_available() is False)")
+    import triton
+
+    _PEERS = _load_peers()
+    out_dir = os.environ.get("OUT")
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if "--sweep" in argv:
+        sweep(out_dir)
+        return
+    if "--overhead" in argv:
+        overhead(out_dir)
+        return
+    quick = "--quick" in argv
+    only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]
+    peer_names = [] if "--ours-only" in argv else [n for n in _PEERS.PEERS if not only or n in only[0]]
+    sparse_peers = [] if "--ours-only" in argv else list(_PEERS.SPARSE_PEERS)
+    rows, results = [], {}
+    run_dense(_PEERS.QUICK if quick else _PEERS.FULL, peer_names, rows, results)
+    if "--no-sparse" not in argv:
+        run_sparse(sparse_peers, rows, results)
+    rows += targets(results)
+    print("\n".join(["", "# summary"] + rows), flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "bench.txt"), "w") as f:
+            f.write("\n".join(rows) + "\n")
+        plot(results, os.path.join(out_dir, "bench.png"))
+
+
+if __name__ == "__main__":
+    main()

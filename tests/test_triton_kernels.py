@@ -1,0 +1,392 @@
+"""Tests of the Triton MLA paged-decode kernels (mla_inductor/backends/triton_kernels.py).
+
+Without CUDA the kernels run in Triton's interpreter; the interpreter is chosen when ``@triton.jit``
+runs (triton's own helpers too), so tests/conftest.py sets TRITON_INTERPRET=1 before anything
+imports triton.
+
+Comparisons: the naive float64 per-row loop (tests/naive.py) and the project's reference. Outputs are poisoned with NaN
+before every run and checked fully written; inputs are fresh random draws (never zeros).
+"""
+import math
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+import triton  # noqa: E402
+
+from mla_inductor.backends import triton_kernels as tk  # noqa: E402
+from mla_inductor.backends.triton_kernels import DecodeConfig, triton_paged_decode  # noqa: E402
+
+
+def _interpreter_active() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tk._mla_decode_kernel, InterpretedFunction) and isinstance(
+        triton.language.standard.max, InterpretedFunction)
+
+
+CPU_OK = HAS_CUDA or _interpreter_active()
+DEV = "cuda" if HAS_CUDA else "cpu"
+cpu_only = pytest.mark.skipif(not CPU_OK, reason="triton was imported before TRITON_INTERPRET=1 took effect "
+                                                 "(tests/conftest.py sets it first on machines without CUDA)")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+from mla_inductor.cache import pack_fp8_ds_mla  # noqa: E402
+from mla_inductor.reference import paged_decode_reference  # noqa: E402
+from naive import naive_decode as naive_reference  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- helpers
+def rel_l2(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+def make_case(B, Q, H, L, R, page, seq_lens, dtype=torch.bfloat16, kv="same", seed=0, extra_pages=3,
+              device=DEV, q_strided=False):
+    """Random inputs; pages scattered, block-table tail filled with -1 garbage."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    npages = [(int(n) + page - 1) // page for n in seq_lens]
+    max_pages = max(1, max(npages))
+    total = sum(npages) + extra_pages
+    perm = torch.randperm(total, generator=g)
+    bt = torch.full((B, max_pages + 1), -1, dtype=torch.int32)
+    off = 0
+    for b in range(B):
+        bt[b, :npages[b]] = perm[off:off + npages[b]].int()
+        off += npages[b]
+    T = B * Q
+    qd = dtype if dtype != "fp8" else torch.bfloat16
+    if q_strided:
+        # Non-contiguous token/head strides (last dim contiguous), built on the target device.
+        bign = (torch.randn(H + 3, T, L + 8, generator=g) * 0.5).to(qd).to(device)
+        qn = bign[:H, :, :L].transpose(0, 1)
+        bigp = (torch.randn(T, 2 * H, R, generator=g) * 0.5).to(qd).to(device)
+        qp = bigp[:, ::2]
+    else:
+        qn = (torch.randn(T, H, L, generator=g) * 0.5).to(qd).to(device)
+        qp = (torch.randn(T, H, R, generator=g) * 0.5).to(qd).to(device)
+    raw = torch.randn(total, page, L + R, generator=g)
+    kv_scale = torch.tensor([1.0], dtype=torch.float32)
+    if kv == "same":
+        cache = raw.to(qd)
+    elif kv == "fp8":
+        kv_scale = (raw.abs().amax() / 448.0).reshape(1).float()
+        cache = (raw / kv_scale).to(torch.float8_e4m3fn)
+    elif kv == "ds":
+        cache = pack_fp8_ds_mla(raw)
+    else:
+        cache = raw.to(kv)
+    d = dict(q_nope=qn, q_pe=qp, kv_cache=cache.to(device), block_table=bt.to(device),
+             seq_lens=seq_lens.to(device), softmax_scale=1.0 / math.sqrt(L + R), kv_scale=kv_scale.to(device))
+    return d
+
+
+def run_checked(case, sparse_indices=None, config=None, poison_partials=True):
+    """Run the kernel into NaN-poisoned outputs (and workspace); return (out, lse)."""
+    T, H, L = case["q_nope"].shape
+    dev = case["q_nope"].device
+    out = torch.full((T, H, L), float("nan"), dtype=case["q_nope"].dtype, device=dev)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=dev)
+    orig = tk._alloc_partials
+
+    def poisoned(*a, **k):
+        po, pl = orig(*a, **k)
+        return po.fill_(float("nan")), pl.fill_(float("nan"))
+
+    if poison_partials:
+        tk._alloc_partials = poisoned
+    try:
+        o, s = tk._paged_decode_impl(**case, sparse_indices=sparse_indices, config=config, out=out, lse=lse)
+    finally:
+        tk._alloc_partials = orig
+    assert o.data_ptr() == out.data_ptr()
+    assert not torch.isnan(o).any(), "output not fully written (NaN poison survived)"
+    assert not torch.isnan(s).any(), "lse not fully written (NaN poison survived)"
+    return o, s
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1e-2, "fp8": 5e-3, "ds": 5e-3}
+if not HAS_CUDA:
+    # Triton's interpreter converts fp32 -> bf16 by truncation, not round-to-nearest, which doubles the
+    # rounding error of P and of the stored output (measured: 3.3e-3 vs 1.6e-3 rel L2 on randn).
+    TOL = {k: (v if k is torch.float32 else 2 * v) for k, v in TOL.items()}
+
+
+def check(case, sparse_indices=None, config=None, tol=1e-2, lse_atol=2e-3):
+    out, lse = run_checked(case, sparse_indices, config)
+    ref_o, ref_l = naive_reference(**case, sparse_indices=sparse_indices)
+    empty = torch.isinf(ref_l)
+    assert torch.equal(torch.isinf(lse.cpu()), empty), "empty rows must give lse = -inf exactly there"
+    assert (lse.cpu()[empty] < 0).all()
+    assert (out.cpu()[empty] == 0).all(), "empty rows must give out = 0"
+    if (~empty).any():
+        err = rel_l2(out.cpu()[~empty], ref_o[~empty])
+        assert err < tol, f"out rel L2 {err:.2e} >= {tol:.1e}"
+        lerr = (lse.cpu()[~empty].double() - ref_l[~empty]).abs().max().item()
+        assert lerr < lse_atol, f"lse max abs err {lerr:.2e}"
+    po, pl = paged_decode_reference(**case, sparse_indices=sparse_indices)
+    if (~empty).any():
+        err = rel_l2(out.cpu()[~empty], po.cpu()[~empty])
+        assert err < tol, f"vs project reference: out rel L2 {err:.2e}"
+        lerr = (lse.cpu()[~empty].double() - pl.cpu()[~empty].double()).abs().max().item()
+        assert lerr < lse_atol, f"vs project reference: lse err {lerr:.2e}"
+    return out, lse
+
+
+def cfg(bh=16, bn=16, ns=1, warps=4, stages=1):
+    return DecodeConfig(bh, bn, ns, warps, stages)
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter) tests
+# Real L/R (512+64 or 256+32) run fast enough in the interpreter at these sizes.
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dense_dtypes(dtype):
+    c = make_case(B=3, Q=1, H=16, L=512, R=64, page=16, seq_lens=[37, 16, 5], dtype=dtype, seed=1)
+    check(c, config=cfg(ns=1), tol=TOL[dtype])
+    check(c, config=cfg(ns=3), tol=TOL[dtype])
+
+
+@cpu_only
+@pytest.mark.parametrize("H,L,R", [(1, 256, 32), (20, 512, 64), (40, 256, 64)])
+def test_heads_not_multiple_of_block(H, L, R):
+    c = make_case(B=2, Q=1, H=H, L=L, R=R, page=8, seq_lens=[19, 33], seed=H)
+    check(c, config=cfg(bh=16, ns=2), tol=TOL[torch.bfloat16])
+
+
+@cpu_only
+def test_edge_seq_lens_page_boundaries():
+    # 0 tokens, 1 token, exactly one page, one past a page, two pages.
+    c = make_case(B=5, Q=1, H=16, L=256, R=32, page=16, seq_lens=[0, 1, 16, 17, 32], seed=2)
+    out, lse = check(c, config=cfg(ns=2))
+    assert torch.isinf(lse[0]).all() and (out[0] == 0).all()
+
+
+@cpu_only
+@pytest.mark.parametrize("page", [1, 7])
+def test_odd_page_sizes(page):
+    c = make_case(B=2, Q=1, H=16, L=256, R=32, page=page, seq_lens=[23, 9], seed=3 + page)
+    check(c, config=cfg(bn=16, ns=2))
+
+
+@cpu_only
+def test_mtp_causal_q_gt_1():
+    # Q=3 new tokens; the second sequence has fewer cached tokens than Q (first rows see nothing).
+    c = make_case(B=2, Q=3, H=16, L=256, R=32, page=8, seq_lens=[21, 2], seed=4)
+    out, lse = check(c, config=cfg(ns=2))
+    assert torch.isinf(lse[3]).all()
+
+
+@cpu_only
+def test_b1_long_many_splits():
+    c = make_case(B=1, Q=1, H=16, L=256, R=32, page=16, seq_lens=[200], seed=5)
+    check(c, config=cfg(bn=32, ns=5))
+    check(c)  # default config
+
+
+@cpu_only
+def test_strided_query():
+    c = make_case(B=2, Q=2, H=16, L=256, R=32, page=8, seq_lens=[13, 30], seed=6, q_strided=True)
+    assert not c["q_nope"].is_contiguous() and c["q_nope"].stride(-1) == 1
+    check(c, config=cfg(ns=2))
+
+
+@cpu_only
+@pytest.mark.parametrize("ns,bh", [(1, 16), (2, 16), (2, 64)])
+def test_fp8_per_tensor(ns, bh):
+    # bh=64 takes the kernel's path without the transposed second load (the wgmma path on GPU).
+    c = make_case(B=2, Q=1, H=20, L=512, R=64, page=16, seq_lens=[40, 7], dtype="fp8", kv="fp8", seed=7)
+    check(c, config=cfg(bh=bh, ns=ns), tol=TOL["fp8"])
+
+
+@cpu_only
+@pytest.mark.parametrize("ns", [1, 3])
+def test_fp8_ds_mla(ns):
+    c = make_case(B=2, Q=2, H=20, L=512, R=64, page=8, seq_lens=[30, 11], dtype="fp8", kv="ds", seed=8)
+    assert c["kv_cache"].dtype == torch.uint8 and c["kv_cache"].shape[-1] == 656
+    check(c, config=cfg(ns=ns), tol=TOL["ds"])
+
+
+@cpu_only
+@pytest.mark.parametrize("kv", ["same", "fp8", "ds"])
+@pytest.mark.parametrize("qk", ["swap", "reload", "trans"])
+def test_qk_variants(kv, qk):
+    # Every way the kernel can feed K to the logits product computes the same function.
+    dt = torch.bfloat16 if kv == "same" else "fp8"
+    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[33, 18], dtype=dt, kv=kv, seed=14)
+    tol = TOL[torch.bfloat16] if kv == "same" else TOL[kv]
+    check(c, config=DecodeConfig(16, 16, 2, 4, 1, fp8_qk=qk, fp16_mma=(kv != "fp8")), tol=tol)
+
+
+def _sparse_indices(case, topk, seed, pad_rows=(), pad_frac=0.3, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    bt, sl = case["block_table"].cpu(), case["seq_lens"].cpu()
+    T = case["q_nope"].shape[0]
+    B = bt.shape[0]
+    Q = T // B
+    page = case["kv_cache"].shape[1]
+    idx = torch.full((T, topk), -1, dtype=torch.int32)
+    for r in range(T):
+        b = r // Q
+        n = int(sl[b])
+        if r in pad_rows or n == 0:
+            continue
+        pos = torch.randperm(n, generator=g)[:topk]
+        slots = (bt[b, pos // page].long() * page + pos % page).int()
+        keep = torch.rand(len(slots), generator=g) > pad_frac
+        keep[0] = True
+        slots = torch.where(keep, slots, torch.full_like(slots, -1))
+        idx[r, :len(slots)] = slots[torch.randperm(len(slots), generator=g)]
+    return idx.to(device)
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["bf16", "ds"])
+def test_sparse(kind):
+    dt, kv = (torch.bfloat16, "same") if kind == "bf16" else ("fp8", "ds")
+    c = make_case(B=3, Q=1, H=16, L=512, R=64, page=16, seq_lens=[50, 64, 9], dtype=dt, kv=kv, seed=9)
+    idx = _sparse_indices(c, topk=40, seed=10, pad_rows=(1,))
+    out, lse = check(c, sparse_indices=idx, config=cfg(ns=2), tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
+    assert torch.isinf(lse[1]).all() and (out[1] == 0).all()
+    check(c, sparse_indices=idx, config=cfg(ns=1), tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
+
+
+@cpu_only
+def test_fresh_inputs_same_function():
+    # Two independent draws through one launch config: guards against anything cached between calls.
+    for seed in (11, 12):
+        c = make_case(B=2, Q=1, H=16, L=256, R=32, page=4, seq_lens=[10, 27], seed=seed)
+        check(c, config=cfg(ns=2))
+
+
+@cpu_only
+def test_public_entry_point_and_default_config():
+    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[70, 3], seed=13)
+    out, lse = triton_paged_decode(**c)
+    ref_o, ref_l = naive_reference(**c)
+    assert out.shape == (2, 16, 512) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert rel_l2(out, ref_o) < 1e-2
+
+
+def test_value_errors():
+    c = make_case(B=1, Q=1, H=2, L=128, R=32, page=4, seq_lens=[3], device="cpu")
+    with pytest.raises(ValueError, match="q_nope"):
+        triton_paged_decode(**c)
+    c = make_case(B=1, Q=1, H=2, L=256, R=16, page=4, seq_lens=[3], device="cpu")
+    with pytest.raises(ValueError, match="q_pe"):
+        triton_paged_decode(**c)
+    c = make_case(B=1, Q=1, H=2, L=256, R=32, page=4, seq_lens=[3], device="cpu")
+    with pytest.raises(ValueError, match="kv_cache"):
+        triton_paged_decode(**dict(c, kv_cache=torch.zeros(4, 4, 300, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="kv_cache"):
+        triton_paged_decode(**dict(c, kv_cache=c["kv_cache"][..., :100]))
+    with pytest.raises(ValueError, match="sparse_indices"):
+        triton_paged_decode(**c, sparse_indices=torch.zeros(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="block_table"):
+        triton_paged_decode(**dict(c, block_table=c["block_table"].long()))
+
+
+def test_split_heuristic():
+    # More work per row than SMs can hide: no split. Few rows: split up to fill the machine.
+    assert tk.choose_splits(rows=2048, head_blocks=2, kv_len=4096, block_n=32, slots=132) == 1
+    assert tk.choose_splits(rows=1, head_blocks=1, kv_len=4096, block_n=32, slots=132) > 16
+    ns = tk.choose_splits(rows=64, head_blocks=1, kv_len=4096, block_n=32, slots=264)
+    assert 2 <= ns <= 8
+
+
+# ----------------------------------------------------------------------------- GPU tests
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("H,kv", [(1, "bf16"), (16, "bf16"), (20, "bf16"), (40, "bf16"), (64, "bf16"),
+                                  (128, "bf16"), (16, "fp8"), (40, "fp8"), (128, "fp8"), (16, "ds"), (128, "ds")])
+def test_gpu_dense_deepseek_dims(H, kv):
+    dt, kvk = (torch.bfloat16, "same") if kv == "bf16" else ("fp8", "fp8" if kv == "fp8" else "ds")
+    c = make_case(B=3, Q=1, H=H, L=512, R=64, page=64, seq_lens=[1000, 1, 64 * 7 + 1], dtype=dt, kv=kvk, seed=H)
+    check(c, tol=TOL[torch.bfloat16 if kv == "bf16" else kv])          # default config
+    check(c, config=DecodeConfig(64 if H > 32 else 16, 32, 3, 8 if H > 32 else 4, 2),
+          tol=TOL[torch.bfloat16 if kv == "bf16" else kv])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page,Q", [(1, 1), (7, 2), (16, 4), (64, 2)])
+def test_gpu_pages_mtp(page, Q):
+    c = make_case(B=4, Q=Q, H=16, L=256, R=32, page=page, seq_lens=[0, 3, 300, 129], seed=page)
+    check(c)
+    c = make_case(B=4, Q=Q, H=128, L=512, R=64, page=page, seq_lens=[0, 3, 300, 129], dtype="fp8", kv="fp8",
+                  seed=page + 1)
+    check(c, tol=TOL["fp8"])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["bf16", "ds"])
+def test_gpu_sparse(kind):
+    dt, kv = (torch.bfloat16, "same") if kind == "bf16" else ("fp8", "ds")
+    c = make_case(B=4, Q=1, H=128, L=512, R=64, page=64, seq_lens=[3000, 640, 5, 2048], dtype=dt, kv=kv, seed=21)
+    idx = _sparse_indices(c, topk=512, seed=22, pad_rows=(2,))
+    check(c, sparse_indices=idx, tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
+
+
+@gpu
+@needs_cuda
+def test_gpu_long_sequence():
+    # 131072 tokens: exercises many splits and 64-bit row offsets over a ~150 MB cache.
+    S = 131072
+    c = make_case(B=1, Q=1, H=16, L=512, R=64, page=64, seq_lens=[S], seed=31, extra_pages=1)
+    out, lse = run_checked(c)
+    kv = c["kv_cache"].float()
+    rows = kv[c["block_table"][0, : S // 64].long()].reshape(S, -1)
+    q = torch.cat([c["q_nope"][0].float(), c["q_pe"][0].float()], -1)
+    s = (q @ rows.T) * c["softmax_scale"]
+    ref = torch.softmax(s, -1) @ rows[:, :512]
+    assert rel_l2(out[0], ref) < 1e-2
+    assert (lse[0].double() - torch.logsumexp(s, -1).double()).abs().max() < 2e-3
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture():
+    c = make_case(B=8, Q=1, H=128, L=512, R=64, page=64, seq_lens=[700] * 8, dtype="fp8", kv="fp8", seed=41)
+    c["seq_lens"].fill_(500)
+    triton_paged_decode(**c)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = triton_paged_decode(**c)
+    c["seq_lens"].copy_(torch.tensor([700] * 8, dtype=torch.int32))
+    c["kv_scale"].mul_(2.0)
+    g.replay()
+    torch.cuda.synchronize()
+    ref_o, _ = naive_reference(**c)
+    assert rel_l2(out, ref_o) < TOL["fp8"]
+
+
+# ----------------------------------------------------------------------------- as a backend of the op
+@cpu_only
+def test_backend_through_the_op_eager_and_compiled():
+    """prefer_backends("triton"): eager calls and the compiled graph both run our kernel."""
+    import mla_inductor
+    import mla_inductor.lowering  # noqa: F401  installs the pass
+    from torch._inductor.utils import run_and_get_code
+
+    c = make_case(B=2, Q=1, H=16, L=256, R=32, page=8, seq_lens=[21, 9], seed=51)
+    args = (c["q_nope"], c["q_pe"], c["kv_cache"], c["block_table"], c["seq_lens"], c["softmax_scale"],
+            c["kv_scale"])
+    want, _ = paged_decode_reference(*args)
+
+    def step(*a):
+        return torch.ops.mla.paged_decode(*a)
+
+    with mla_inductor.prefer_backends("triton"):
+        assert rel_l2(step(*args), want) < TOL[torch.bfloat16]
+        torch._dynamo.reset()
+        got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
+    assert "torch.ops.mla_triton.decode.default(" in code[0]
+    assert rel_l2(got, want) < TOL[torch.bfloat16]
