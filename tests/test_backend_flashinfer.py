@@ -1,0 +1,465 @@
+"""The FlashInfer backends (fa2, fa3, trtllm-gen, XQA).
+
+CPU part (runs in CI): the supports() matrix per capability, and the marshalling of every backend against
+a fake ``flashinfer`` module whose functions compute attention the way FlashInfer documents its arguments
+(CSR page lists, right-aligned causal mask, fused bmm scales, lse base) — so a wrong argument gives a wrong
+result against ``paged_decode_reference``; plus opcheck of the plan/run ops.
+GPU part (``-m gpu``): the real kernels against the reference, eager and compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import mla_inductor
+from mla_inductor.backends import _flashinfer_common as common
+from mla_inductor.backends import get_backend
+from mla_inductor.contract import DecodeProblem
+from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
+
+NAMES = ("flashinfer_fa2", "flashinfer_fa3", "flashinfer_trtllm", "flashinfer_xqa")
+CAPS = {"CPU": None, "SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
+
+
+def problem(**kw):
+    base = dict(device_type="cuda", cache_format="bf16", q_dtype=torch.bfloat16, num_heads=128, kv_lora_rank=512,
+                rope_dim=64, page_size=64, sparse=False, topk=None, q_per_seq=1)
+    base.update(kw)
+    return DecodeProblem(**base)
+
+
+# ----------------------------------------------------------------------------- supports() matrix
+
+ACCEPTS = {  # backend -> capabilities accepting the plain bf16, H=128, page 64, Q=1 problem
+    "flashinfer_fa2": {"SM80", "SM89", "SM90", "SM100", "SM120"},
+    "flashinfer_fa3": {"SM90"},
+    "flashinfer_trtllm": {"SM100"},
+    "flashinfer_xqa": {"SM120"},
+}
+
+
+@pytest.fixture
+def cuda_13(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("cap", sorted(CAPS))
+def test_supports_matrix(name, cap, cuda_13):
+    p = problem(device_type="cpu") if cap == "CPU" else problem()
+    why = get_backend(name).supports(p, CAPS[cap])
+    assert (why is None) == (cap in ACCEPTS[name]), why
+    assert why is None or isinstance(why, str) and why
+
+
+REFUSALS = [  # (backend, capability, problem overrides, words the reason must contain)
+    ("flashinfer_fa2", "SM89", dict(cache_format="fp8_e4m3"), "SM90"),
+    ("flashinfer_fa2", "SM90", dict(cache_format="fp8_e4m3", q_dtype=torch.float16), "bf16 q"),
+    ("flashinfer_fa3", "SM90", dict(cache_format="fp8_e4m3", sparse=True, topk=64), "sparse"),
+    ("flashinfer_fa3", "SM90", dict(cache_format="fp8_ds_mla"), "fp8_ds_mla"),
+    ("flashinfer_fa3", "SM90", dict(cache_format="fp32", q_dtype=torch.float32), "fp32"),
+    ("flashinfer_fa3", "SM90", dict(cache_format="fp16"), "same dtype"),
+    ("flashinfer_fa3", "SM90", dict(kv_lora_rank=256), "kv_lora_rank"),
+    ("flashinfer_fa3", "SM90", dict(num_heads=None), "num_heads"),
+    ("flashinfer_fa3", "SM90", dict(num_heads=256), "num_heads"),
+    ("flashinfer_fa3", "SM100", dict(), "SM90"),
+    ("flashinfer_trtllm", "SM100", dict(num_heads=96), "64 < H < 128"),
+    ("flashinfer_trtllm", "SM100", dict(page_size=16), "page_size"),
+    ("flashinfer_trtllm", "SM100", dict(cache_format="fp16", q_dtype=torch.float16), "bf16 q"),
+    ("flashinfer_trtllm", "SM100", dict(kv_lora_rank=256, sparse=True, topk=64), "512/64"),
+    ("flashinfer_trtllm", "SM120", dict(), "SM100"),
+    ("flashinfer_xqa", "SM120", dict(q_per_seq=2), "Q=1"),
+    ("flashinfer_xqa", "SM120", dict(num_heads=16), "num_heads=128"),
+    ("flashinfer_xqa", "SM120", dict(sparse=True, topk=64), "sparse"),
+    ("flashinfer_xqa", "SM120", dict(page_size=8), "page_size"),
+]
+
+
+@pytest.mark.parametrize("name,cap,overrides,words", REFUSALS)
+def test_supports_refusals(name, cap, overrides, words, cuda_13):
+    why = get_backend(name).supports(problem(**overrides), CAPS[cap])
+    assert why is not None and words in why, why
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(cache_format="fp8_e4m3"), dict(sparse=True, topk=2048),
+                                       dict(q_per_seq=2, num_heads=16), dict(page_size=32, num_heads=64)])
+def test_trtllm_accepts(overrides):
+    assert get_backend("flashinfer_trtllm").supports(problem(**overrides), (10, 0)) is None
+    assert get_backend("flashinfer_trtllm").supports(problem(**overrides), (10, 3)) is None
+
+
+def test_xqa_needs_new_cuda(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    assert "12.8" in get_backend("flashinfer_xqa").supports(problem(), (12, 0))
+
+
+def test_selection_fails_over(cuda_13):
+    """A refusal is a reason for select_backend, which then takes the next backend."""
+    from mla_inductor.selection import select_backend
+
+    avail = {n: None for n in NAMES} | {"reference": None}
+    chosen = select_backend(problem(num_heads=96), (10, 0), available=avail,
+                            preference=("flashinfer_trtllm", "flashinfer_fa2"))
+    assert chosen.backend == "flashinfer_fa2" and "64 < H < 128" in chosen.reasons[0]
+
+
+# ----------------------------------------------------------------------------- a fake flashinfer
+
+def _attend(q, keys, scale, out_scale=1.0):
+    """q [H, D] fp32, keys [S, D] fp32 -> (out [H, L], lse [H]) with L = 512-wide latent prefix."""
+    logits = (q @ keys.T) * scale
+    lse = torch.logsumexp(logits, -1)
+    return (torch.softmax(logits, -1) @ keys[:, :LATENT]) * out_scale, lse
+
+
+LATENT = 512
+
+
+def _scale(x):
+    return float(x.reshape(())) if isinstance(x, torch.Tensor) else float(x)
+
+
+class FakeWrapper:
+    """BatchMLAPagedAttentionWrapper as documented: CSR pages, right-aligned causal mask, lse base 2 or e."""
+
+    instances = []
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        assert use_cuda_graph and kv_indices is not None
+        self.bufs = dict(qo=qo_indptr, kv=kv_indptr, idx=kv_indices, lens=kv_len_arr)
+        self.backend = backend
+        self.plans = []
+        FakeWrapper.instances.append(self)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe,
+             page_size, causal, sm_scale, q_data_type, kv_data_type):
+        assert all(t.dtype == torch.int32 for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr))
+        assert kv_indices.numel() <= self.bufs["idx"].numel()
+        self.bufs["qo"].copy_(qo_indptr)
+        self.bufs["kv"].copy_(kv_indptr)
+        self.bufs["idx"][: kv_indices.numel()].copy_(kv_indices)
+        self.bufs["lens"].copy_(kv_len_arr)
+        self.cfg = dict(num_heads=num_heads, page_size=page_size, causal=causal, sm_scale=sm_scale,
+                        dims=(head_dim_ckv, head_dim_kpe), dtypes=(q_data_type, kv_data_type))
+        self.plans.append(self.cfg)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
+            return_lse_base_on_e=False, *, ckv_scale=None, kpe_scale=None):
+        c = self.cfg
+        assert (q_nope.dtype, ckv_cache.dtype) == c["dtypes"] and ckv_cache.shape[1] == c["page_size"]
+        assert ckv_cache.data_ptr() + LATENT * ckv_cache.element_size() == kpe_cache.data_ptr(), "not views"
+        assert (ckv_scale is None) == (ckv_cache.dtype != torch.float8_e4m3fn)
+        qo, kv, idx, lens = (self.bufs[k].long() for k in ("qo", "kv", "idx", "lens"))
+        q = torch.cat([q_nope, q_pe], -1).float()
+        page = c["page_size"]
+        for i in range(len(lens)):
+            n = int(lens[i])
+            pages = idx[int(kv[i]): int(kv[i]) + -(-n // page)]
+            assert (pages >= 0).all() and (pages < ckv_cache.shape[0]).all(), "reads outside the cache"
+            keys = torch.cat([ckv_cache[pages], kpe_cache[pages]], -1).reshape(-1, q.shape[-1])[:n].float()
+            keys = keys * (ckv_scale or 1.0)
+            rows = range(int(qo[i]), int(qo[i + 1]))
+            for j, t in enumerate(rows):
+                visible = n - len(rows) + j + 1 if c["causal"] else n
+                o, s = _attend(q[t], keys[:max(visible, 0)], c["sm_scale"])
+                out[t] = o.to(out.dtype)
+                lse[t] = s if return_lse_base_on_e else s / math.log(2)
+        return (out, lse) if return_lse else out
+
+
+def _fake_trtllm(*, query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                 block_tables, seq_lens, max_seq_len, sparse_mla_top_k=0, out=None, bmm1_scale=1.0, bmm2_scale=1.0,
+                 backend="auto", lse=None, return_lse=False):
+    """trtllm-gen as documented: bmm1 = full QK scale, bmm2 = output scale; q_len right-aligned causal."""
+    assert backend == "trtllm-gen" and return_lse and workspace_buffer.dtype == torch.uint8
+    assert query.dim() == 4 and query.dtype == kv_cache.dtype and out.dtype == torch.bfloat16
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and int(seq_lens.min()) >= 1
+    B, Q, H, D = query.shape
+    page = kv_cache.shape[1]
+    flat = kv_cache.reshape(-1, D).float()
+    for b in range(B):
+        n = int(seq_lens[b])
+        assert n <= max_seq_len
+        if sparse_mla_top_k:
+            assert Q == 1 and block_tables.shape == (B, 1, sparse_mla_top_k)
+            slots = block_tables[b, 0, :n].long()
+        else:
+            pos = torch.arange(n)
+            slots = block_tables[b, pos // page].long() * page + pos % page
+        assert (slots >= 0).all() and (slots < flat.shape[0]).all(), "reads outside the cache"
+        keys = flat[slots]
+        for j in range(Q):
+            o, s = _attend(query[b, j].float(), keys[:n - Q + j + 1], _scale(bmm1_scale), _scale(bmm2_scale))
+            out[b, j], lse[b * Q + j] = o.to(out.dtype), s
+    return out, lse
+
+
+def _fake_xqa(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
+              seq_lens, max_seq_len, out=None, bmm1_scale=1.0, bmm2_scale=1.0, sinks=None, enable_pdl=None):
+    """XQA as its kernel computes: QK scale = q_scale * kv_scale, V scale = kv_scale; writes no lse."""
+    assert query.shape[1] == 1 and query.shape[2] == 128 and query.dtype == kv_cache.dtype
+    assert out.shape == (query.shape[0], 128, kv_lora_rank) and max_seq_len == block_tables.shape[1] * kv_cache.shape[1]
+    page = kv_cache.shape[1]
+    flat = kv_cache.reshape(-1, query.shape[-1]).float()
+    for b in range(query.shape[0]):
+        pos = torch.arange(int(seq_lens[b]))
+        keys = flat[block_tables[b, pos // page].long() * page + pos % page]
+        o, _ = _attend(query[b, 0].float(), keys, _scale(bmm1_scale) * _scale(bmm2_scale), _scale(bmm2_scale))
+        out[b] = o.to(out.dtype)
+    return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """Install the fake as ``flashinfer`` and pretend a CUDA device exists (for unavailable_reason)."""
+    fi = types.ModuleType("flashinfer")
+    fi.__version__ = "0.6.18.post1"
+    fi.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper,
+                                   trtllm_batch_decode_with_kv_cache_mla=_fake_trtllm,
+                                   xqa_batch_decode_with_kv_cache_mla=_fake_xqa)
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setattr(common, "WORKSPACE_BYTES", 1 << 16)
+    monkeypatch.setattr(common, "_WORKSPACES", {})
+    monkeypatch.setattr(common, "_WRAPPERS", {})
+    FakeWrapper.instances = []
+    common.flashinfer_unavailable_reason.cache_clear()
+    yield fi
+    common.flashinfer_unavailable_reason.cache_clear()
+
+
+def test_unavailable_reason(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert all(get_backend(n).unavailable_reason() is None for n in NAMES)
+    common.flashinfer_unavailable_reason.cache_clear()
+    fake_flashinfer.__version__ = "0.6.3"
+    assert "0.6.14" in get_backend("flashinfer_fa3").unavailable_reason()
+    common.flashinfer_unavailable_reason.cache_clear()
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises
+    assert "not importable" in get_backend("flashinfer_fa2").unavailable_reason()
+
+
+def test_no_cuda_reason(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "CUDA" in get_backend("flashinfer_trtllm").unavailable_reason()
+
+
+CPU_CASES = {  # small versions of the GPU cases: seq_lens with 0, 1 and page boundaries (page 64)
+    "q1": dict(seq_lens=[0, 1, 64, 65, 130]),
+    "q2": dict(seq_lens=[0, 1, 2, 64, 129], q_per_seq=2),
+    "fp8": dict(seq_lens=[1, 64, 130], fmt="fp8_e4m3"),
+    "fp8_q2": dict(seq_lens=[1, 65, 128], fmt="fp8_e4m3", q_per_seq=2),
+    "sparse": dict(seq_lens=[0, 3, 70, 150], topk=16),
+}
+
+
+def _cpu_inputs(case, num_heads=4, page_size=64, **extra):
+    kw = dict(CPU_CASES[case], num_heads=num_heads, page_size=page_size, seed=3, **extra)
+    return make_decode_inputs(**kw)
+
+
+def _check(backend, x, tol_out=None):
+    ref_out, ref_lse = mla_inductor.paged_decode_reference(*x.args())
+    out, lse = get_backend(backend).decode(*x.args())
+    fp8 = x.kv_cache.dtype == torch.float8_e4m3fn
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert relative_error(out, ref_out) < (tol_out or TOLERANCE[x.q_nope.dtype]), relative_error(out, ref_out)
+    assert relative_error(lse, ref_lse) < (2e-2 if fp8 else 1e-3), relative_error(lse, ref_lse)
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+@pytest.mark.parametrize("name", ["flashinfer_fa2", "flashinfer_fa3"])
+def test_wrapper_marshalling(fake_flashinfer, name, case):
+    x = _cpu_inputs(case)
+    _check(name, x)
+    (w,) = FakeWrapper.instances
+    assert w.backend == name.split("_")[1]
+    cfg = w.plans[-1]
+    assert cfg["page_size"] == (1 if x.sparse_indices is not None else 64)
+    assert cfg["causal"] == (CPU_CASES[case].get("q_per_seq", 1) > 1)
+    assert cfg["dtypes"] == (torch.bfloat16, x.kv_cache.dtype)
+
+
+def test_wrapper_reused_across_calls(fake_flashinfer):
+    for seed in (0, 1):
+        x = make_decode_inputs([5, 70], num_heads=4, seed=seed)
+        _check("flashinfer_fa3", x)
+    assert len(FakeWrapper.instances) == 1 and len(FakeWrapper.instances[0].plans) == 2
+
+
+def test_run_without_plan_is_an_error(fake_flashinfer):
+    x = make_decode_inputs([5, 70], num_heads=4)
+    with pytest.raises(RuntimeError, match="plan op must run first"):
+        common.wrapper_run("fa3", *x.args(), [torch.ones(2, dtype=torch.int32)])
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_trtllm_marshalling(fake_flashinfer, case):
+    x = _cpu_inputs(case)
+    # fp8 also quantizes q (e4m3, ~3 significant bits), which bounds the output error there.
+    _check("flashinfer_trtllm", x, tol_out=0.08 if x.kv_cache.dtype == torch.float8_e4m3fn else None)
+
+
+@pytest.mark.parametrize("case", ["q1", "fp8"])
+def test_xqa_marshalling(fake_flashinfer, case):
+    x = _cpu_inputs(case, num_heads=128)
+    _check("flashinfer_xqa", x, tol_out=0.08 if case == "fp8" else None)
+
+
+def test_sparse_padding_anywhere(fake_flashinfer):
+    """-1 in the middle of a row: compaction keeps the valid slots' order and counts."""
+    idx = torch.tensor([[5, -1, 7, -1, 2], [-1, -1, -1, -1, -1], [1, 2, 3, 4, 99]], dtype=torch.int32)
+    compacted, counts = common.compact_sparse(idx, capacity=64)
+    assert counts.tolist() == [3, 0, 4]
+    assert compacted.tolist() == [[5, 7, 2, 0, 0], [0, 0, 0, 0, 0], [1, 2, 3, 4, 0]]
+    x = _cpu_inputs("sparse")
+    x.sparse_indices = x.sparse_indices.flip(1).contiguous()  # padding first
+    _check("flashinfer_fa3", x)
+    _check("flashinfer_trtllm", x)
+
+
+OPS = [("flashinfer_fa3", "q2"), ("flashinfer_trtllm", "sparse")]  # a host-planned and a device-prepared pair
+
+
+@pytest.mark.parametrize("name,case", OPS)
+def test_opcheck_plan_and_run(fake_flashinfer, name, case):
+    x = _cpu_inputs(case, num_heads=2)
+    backend = get_backend(name)
+    plan_op, run_op = backend.plan_op(), backend.compiled_op()
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(plan_op, x.args(), test_utils=utils)
+    plan = plan_op(*x.args())
+    torch.library.opcheck(run_op, (*x.args(), plan), test_utils=utils)
+
+
+def test_plan_op_is_cudagraph_unsafe_and_table_prepare_is_not():
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip("this torch has no torch.Tag.cudagraph_unsafe")
+    assert torch.Tag.cudagraph_unsafe in get_backend("flashinfer_fa3").plan_op().tags
+    assert torch.Tag.cudagraph_unsafe not in get_backend("flashinfer_trtllm").plan_op().tags
+
+
+def test_import_is_lazy():
+    """No backend module imports flashinfer at module level (``import mla_inductor`` stays lean; the lean
+    import itself is tested in test_contract.py): every ``import flashinfer`` sits inside a function."""
+    import ast
+    import importlib
+
+    for name in ("_flashinfer_common", "flashinfer_fa2", "flashinfer_fa3", "flashinfer_trtllm", "flashinfer_xqa"):
+        module = importlib.import_module(f"mla_inductor.backends.{name}")
+        tree = ast.parse(open(module.__file__).read())
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not any(n.split(".")[0] == "flashinfer" for n in names), (name, ast.dump(node))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _gpu_backend_or_skip(name, x):
+    backend = get_backend(name)
+    why = backend.unavailable_reason()
+    if why:
+        pytest.skip(f"{name}: {why}")
+    from mla_inductor.contract import check_decode_args
+
+    cap = torch.cuda.get_device_capability()
+    why = backend.supports(check_decode_args(*x.args()), cap)
+    if why:
+        pytest.skip(f"{name} on SM{cap[0]}{cap[1]}: {why}")
+    return backend
+
+
+def _poison_allocator():
+    """Leave NaNs in the caching allocator's free blocks, so outputs a kernel forgets to write are NaN."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+GPU_CASES = {
+    "bf16_q1_h16": dict(seq_lens=[0, 1, 63, 64, 65, 200, 1000], num_heads=16),
+    "bf16_q1_h128": dict(seq_lens=[0, 1, 64, 128, 129, 777], num_heads=128),
+    "bf16_q2_h16": dict(seq_lens=[0, 1, 2, 64, 65, 300], num_heads=16, q_per_seq=2),
+    "bf16_q2_h128": dict(seq_lens=[1, 2, 129, 513], num_heads=128, q_per_seq=2),
+    "fp8_q1_h16": dict(seq_lens=[0, 1, 64, 65, 400], num_heads=16, fmt="fp8_e4m3"),
+    "fp8_q1_h128": dict(seq_lens=[1, 64, 1000], num_heads=128, fmt="fp8_e4m3"),
+    "fp8_q2_h128": dict(seq_lens=[0, 1, 2, 65, 700], num_heads=128, q_per_seq=2, fmt="fp8_e4m3"),
+    "sparse_h16": dict(seq_lens=[0, 1, 64, 300, 2000], num_heads=16, topk=128),
+    "sparse_h128_q2": dict(seq_lens=[1, 65, 2000], num_heads=128, topk=256, q_per_seq=2),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_matches_reference(name, case):
+    x = make_decode_inputs(**GPU_CASES[case], device="cuda", seed=11)
+    backend = _gpu_backend_or_skip(name, x)
+    ref_out, ref_lse = mla_inductor.paged_decode_reference(*x.args())
+    for _ in range(2):  # the second call replans the cached wrapper
+        _poison_allocator()
+        out, lse = backend.decode(*x.args())
+        torch.cuda.synchronize()
+        err_out, err_lse = relative_error(out, ref_out), relative_error(lse, ref_lse)
+        tol = TOLERANCE[torch.bfloat16] * (5 if name in ("flashinfer_trtllm", "flashinfer_xqa")
+                                           and x.kv_cache.dtype == torch.float8_e4m3fn else 1)
+        assert err_out < tol and err_lse < 1e-3, (name, case, err_out, err_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flashinfer_fa3", "flashinfer_fa2"])
+def test_gpu_compiled(name):
+    import mla_inductor.lowering  # noqa: F401 - installs the pass
+    from torch._inductor.utils import run_and_get_code
+
+    x = make_decode_inputs([0, 1, 65, 300], num_heads=16, q_per_seq=2, device="cuda", seed=5)
+    _gpu_backend_or_skip(name, x)
+    scale = x.softmax_scale
+
+    def two_layers(q_nope, q_pe, cache, block_table, seq_lens, kv_scale):
+        a = torch.ops.mla.paged_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale)
+        b, lse = torch.ops.mla.paged_decode_with_lse(q_nope * 0.5, q_pe, cache, block_table, seq_lens, scale,
+                                                     kv_scale)
+        return a, b, lse
+
+    args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends(name):
+        (a, b, lse), codes = run_and_get_code(torch.compile(two_layers, fullgraph=True), *args)
+    code = "\n".join(codes)
+    fi = name.split("_")[1]
+    assert f"run_{fi}" in code and code.count(f"plan_{fi}.default(") == 1, code[-3000:]
+    ref_a, _ = mla_inductor.paged_decode_reference(*x.args())
+    ref_b, ref_lse = mla_inductor.paged_decode_reference(x.q_nope * 0.5, *x.args()[1:])
+    assert relative_error(a, ref_a) < TOLERANCE[torch.bfloat16]
+    assert relative_error(b, ref_b) < TOLERANCE[torch.bfloat16] and relative_error(lse, ref_lse) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cudagraph_replay_sees_new_plan():
+    """reduce-overhead: the plan runs outside the captured graph, the run inside reads the fresh plan."""
+    import mla_inductor.lowering  # noqa: F401
+
+    x = make_decode_inputs([1000] * 4, num_heads=16, device="cuda", seed=7)
+    _gpu_backend_or_skip("flashinfer_fa3", x)
+    scale = x.softmax_scale
+
+    def step(q_nope, q_pe, cache, block_table, seq_lens, kv_scale):
+        return torch.ops.mla.paged_decode_with_lse(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale)
+
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends("flashinfer_fa3"):
+        fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        for lens in ([5, 300, 64, 1000], [6, 1, 0, 999], [64, 65, 700, 3], [7, 301, 65, 1000]):
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, seq_lens, x.kv_scale)
+            out, lse = fn(*args)
+            out, lse = out.clone(), lse.clone()
+            ref_out, ref_lse = mla_inductor.paged_decode_reference(*args[:5], scale, x.kv_scale)
+            assert relative_error(out, ref_out) < TOLERANCE[torch.bfloat16], lens
+            assert relative_error(lse, ref_lse) < 1e-3, lens
