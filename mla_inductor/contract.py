@@ -328,9 +328,15 @@ def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Ten
         if slots.numel() and (bool((slots < -1).any()) or bool((slots >= capacity).any())):
             _fail("cache_append", ValueError, f"slot_mapping must be -1 or a slot in [0, P * page_size = "
                   f"{capacity}), got min {int(slots.min())}, max {int(slots.max())}")
-    from mla_inductor.reference import cache_append_reference
+    if kv_cache.device.type == "cuda":
+        # A Triton program per token: no data-dependent shapes, so a decode step stays capturable.
+        from mla_inductor.cache_append_kernel import triton_cache_append
 
-    cache_append_reference(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+        triton_cache_append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    else:
+        from mla_inductor.reference import cache_append_reference
+
+        cache_append_reference(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 @cache_append.register_fake
