@@ -40,6 +40,7 @@ BACKEND_MODULES = {
     "flashinfer_fa3": "mla_inductor.backends.flashinfer_fa3",
     "flashinfer_trtllm": "mla_inductor.backends.flashinfer_trtllm",
     "flashinfer_xqa": "mla_inductor.backends.flashinfer_xqa",
+    "flashmla": "mla_inductor.backends.flashmla",
 }
 
 
