@@ -1,0 +1,95 @@
+"""select_backend: the table, user control, and docs/backends.md generated from it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import mla_inductor
+from mla_inductor.backends import BACKEND_MODULES
+from mla_inductor.info import backend_matrix_markdown, example_problem, matrix_rows
+from mla_inductor.selection import BACKEND_ENV, TABLE, device_class, select_backend
+
+EVERYTHING = {name: None for name in BACKEND_MODULES}
+SM90 = (9, 0)
+
+
+def test_every_table_backend_is_registered():
+    for row in TABLE:
+        assert set(row.order) <= set(BACKEND_MODULES), row
+        assert row.order[-1] == "reference", f"row {row} must end with the reference so every call runs"
+
+
+def test_device_classes():
+    assert [device_class("cuda", c) for c in [(8, 0), (8, 9), (9, 0), (10, 3), (12, 0), (7, 5)]] == [
+        "sm80", "sm80", "sm90", "sm100", "sm120", "cuda"]
+    assert device_class("cpu", None) == "cpu"
+
+
+def test_every_cell_selects_a_backend():
+    rows = list(matrix_rows(EVERYTHING))
+    assert len(rows) == 6 * 3 * 2 * 2 * 2
+    for dev, fmt, sparse, heads, page, chosen, reasons in rows:
+        assert chosen in BACKEND_MODULES
+        if dev == "cpu":
+            assert chosen == "reference"
+
+
+@pytest.mark.parametrize("fmt,sparse,available,want", [
+    ("bf16", False, EVERYTHING, "flashmla"),
+    ("bf16", False, {**EVERYTHING, "flashmla": "not installed"}, "flashinfer_fa3"),
+    ("fp8_e4m3", False, EVERYTHING, "flashmla"),
+    ("fp8_e4m3", False, {**EVERYTHING, "flashmla": "not installed"}, "triton"),
+    ("fp8_ds_mla", False, EVERYTHING, "triton"),
+    ("fp8_ds_mla", True, EVERYTHING, "flashmla"),
+    ("bf16", False, {"reference": None}, "reference"),
+])
+def test_sm90_choices_follow_the_h100_measurements(fmt, sparse, available, want):
+    problem = example_problem("cuda", fmt, sparse, 128, 64)
+    assert select_backend(problem, SM90, available=available, preference=()).backend == want
+
+
+def test_reasons_name_each_backend_passed_over():
+    problem = example_problem("cuda", "bf16", False, 128, 64)
+    avail = {**EVERYTHING, "flashmla": "no FlashMLA provider is importable"}
+    sel = select_backend(problem, SM90, available=avail, preference=())
+    assert sel.reasons[0] == "flashmla: no FlashMLA provider is importable"
+    assert all(r.split(":")[0] != sel.backend for r in sel.reasons)
+
+
+def test_user_preference_by_context_and_env(monkeypatch):
+    problem = example_problem("cpu", "bf16", False, 16, 64)
+    with mla_inductor.prefer_backends("triton", "reference"):
+        sel = select_backend(problem, None, available=EVERYTHING)
+        assert sel.backend in ("triton", "reference")
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    assert select_backend(problem, None, available=EVERYTHING).backend == "reference"
+    monkeypatch.setenv(BACKEND_ENV, "nope")
+    with pytest.raises(ValueError, match=r"unknown MLA backend\(s\) \['nope'\]"):
+        select_backend(problem, None, available=EVERYTHING)
+    with pytest.raises(ValueError, match="prefer_backends needs known backend names"):
+        with mla_inductor.prefer_backends("nope"):
+            pass
+
+
+def test_no_backend_raises_with_every_reason():
+    problem = example_problem("cpu", "bf16", False, 16, 64)
+    with pytest.raises(RuntimeError, match="flashmla: FlashMLA runs on CUDA GPUs only"):
+        select_backend(problem, None, available=EVERYTHING, preference=("flashmla",))
+
+
+def test_eager_call_honours_the_preference():
+    from mla_inductor.testing import make_decode_inputs
+
+    x = make_decode_inputs([5], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4, q_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="flashinfer_fa3"):
+        with mla_inductor.prefer_backends("flashinfer_fa3"):
+            torch.ops.mla.paged_decode(*x.args())
+
+
+def test_docs_backends_md_matches_select_backend():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "backends.md").read_text()
+    start = doc.index("<!-- generated: python -m mla_inductor.info --markdown -->\n")
+    end = doc.index("<!-- end generated -->")
+    generated = doc[start:end].split("\n", 1)[1]
+    assert generated == backend_matrix_markdown(), "docs/backends.md is stale: regenerate it"
