@@ -134,7 +134,8 @@ def test_pass_is_installed_and_keeps_a_user_pass():
         assert ours.previous is torch._inductor.config.post_grad_custom_post_pass.previous
         torch._dynamo.reset()
         args = _inputs("dense")
-        torch.compile(decode_step, fullgraph=True)(*args)
+        with fresh_cache():  # a cached graph would skip every pass
+            torch.compile(decode_step, fullgraph=True)(*args)
         assert seen, "the user's pass did not run"
     finally:
         uninstall()
