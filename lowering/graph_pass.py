@@ -64,7 +64,8 @@ _decisions: dict[Decision, None] = {}  # ordered set
 
 
 def decisions() -> list[Decision]:
-    """Every distinct backend choice the pass made in this process, in order."""
+    """Every distinct backend choice the pass made in this process, in order. A graph that Inductor
+    serves from its FX graph cache was lowered earlier and makes no new entry here."""
     return list(_decisions)
 
 

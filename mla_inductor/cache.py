@@ -173,11 +173,19 @@ class PagedLatentCache:
         num_pages = batch_size * max_pages if num_pages is None else num_pages
         dtype = cache_dtype(fmt)
         kv_caches = [torch.zeros(num_pages, page_size, width, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(
-            kv_caches=kv_caches,
+        tensors = dict(
             kv_scale=torch.tensor([kv_scale], dtype=torch.float32, device=device),
             block_table=torch.zeros(batch_size, max_pages, dtype=torch.int32, device=device),
             seq_lens=torch.zeros(batch_size, dtype=torch.int32, device=device),
+        )
+        # These tensors live as long as the cache and change only in place: marked static, CUDA-graph
+        # trees (mode="reduce-overhead") read them where they are instead of copying every cache into a
+        # static buffer at each replay (hundreds of MB per layer).
+        for t in (*kv_caches, *tensors.values()):
+            torch._dynamo.mark_static_address(t)
+        return cls(
+            kv_caches=kv_caches,
+            **tensors,
             page_size=page_size,
             kv_lora_rank=kv_lora_rank,
             rope_dim=rope_dim,
