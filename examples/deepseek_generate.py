@@ -49,7 +49,7 @@ def decode_n_tokens(model, cache, step, token, n):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--fmt", default=None, help="cache format: fp32/bf16/fp8_e4m3/fp8_ds_mla (default: model dtype)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)

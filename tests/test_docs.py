@@ -20,3 +20,16 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_job_exists():
     main_job = next(c for c in readme_commands() if c.startswith("python examples/"))
     assert (ROOT / main_job.split()[1]).is_file()
+
+
+def test_examples_run_as_the_readme_says():
+    """The README's main job and the minimal example run on CPU from a clean process."""
+    import subprocess
+    import sys
+
+    for script, args in (("examples/deepseek_generate.py", ["--steps", "4", "--device", "cpu"]),
+                         ("examples/minimal_decode.py", ["--steps", "2", "--device", "cpu"])):
+        result = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+                                timeout=600, cwd=ROOT)
+        assert result.returncode == 0, f"{script}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        assert "tokens/s" in result.stdout and "->" in result.stdout, result.stdout
