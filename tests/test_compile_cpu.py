@@ -187,3 +187,25 @@ def test_unbacked_batch_sizes_serve_b1_to_256_in_one_frame():
         for g, w in zip(step(*args), decode_step(*args)):
             assert relative_error(g, w) < 1e-5
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeypatch):
+    import sys
+    import types
+
+    from mla_inductor.autotune import autotuning
+    from mla_inductor.lowering import installed_pass
+
+    ours = installed_pass()
+    base = ours.uuid()
+    assert base == ours.uuid(), "uuid must be stable for the FX graph cache to hit"
+    with mla_inductor.prefer_backends("triton", "reference"):
+        assert ours.uuid() != base
+    with autotuning(True):
+        assert ours.uuid() != base
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.0.1"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    first = ours.uuid()
+    fake.__version__ = "0.0.2"
+    assert first != base and ours.uuid() not in (base, first)
