@@ -53,14 +53,19 @@ def _timing_inputs(problem: DecodeProblem, sizes: dict, device: torch.device):
                               spare_pages=spare, device=device)
 
 
+def _median_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
 def fastest_backend(problem: DecodeProblem, capability, candidates: list[str], sizes: dict,
-                    device: torch.device) -> Optional[str]:
-    """The candidate with the lowest median time on random inputs of these sizes (None if none ran)."""
+                    device: torch.device, timer=_median_ms) -> Optional[str]:
+    """The candidate with the lowest ``timer`` (median ms of a call) on random inputs of these sizes
+    (None if none ran)."""
     key = (problem, capability, tuple(candidates), tuple(sorted(sizes.items())), str(device))
     if key in _winners:
         return _winners[key]
-    import triton.testing
-
     from mla_inductor.backends import get_backend
 
     x = _timing_inputs(problem, sizes, device)
@@ -68,8 +73,7 @@ def fastest_backend(problem: DecodeProblem, capability, candidates: list[str], s
     for name in candidates:
         backend = get_backend(name)
         try:
-            times[name] = triton.testing.do_bench(lambda: backend.decode(*x.args()), warmup=10, rep=50,
-                                                  return_mode="median")
+            times[name] = timer(lambda: backend.decode(*x.args()))
         except Exception:  # noqa: BLE001 - a backend that fails here is simply not the winner
             continue
     winner = min(times, key=times.get) if times else None
