@@ -86,12 +86,12 @@ def main():
           f"L={config['kv_lora_rank']}, R={config['qk_rope_head_dim']}) on {args.device}, {cache.format} cache, "
           f"batch {args.batch}: {args.steps * args.batch / elapsed:.1f} tokens/s "
           f"({1e3 * elapsed / args.steps:.2f} ms/step; compile + warm-up {compile_s:.1f} s)")
-    chosen = mla_inductor.lowering.decisions()
-    for d in chosen:
-        print(f"mla.paged_decode on {d.problem.cache_format} cache, {d.problem.num_heads} heads -> {d.backend}")
-    if not chosen:
-        print("mla.paged_decode: compiled code came from Inductor's cache, so the pass did not run in this "
-              "process (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 shows its choice)")
+    heads, L, R = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    q_nope = torch.empty(args.batch, heads, L, dtype=dtype, device=args.device)
+    q_pe = torch.empty(args.batch, heads, R, dtype=dtype, device=args.device)
+    chosen = mla_inductor.backend_for_call(q_nope, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens,
+                                           1.0, cache.kv_scale)
+    print(f"mla.paged_decode on {cache.format} cache, {heads} heads -> {chosen.backend}")
     print("tokens of sequence 0:", torch.cat([token[:1, None], generated[:1]], 1)[0].tolist())
 
 

@@ -105,8 +105,11 @@ def main():
         elapsed = time.perf_counter() - start
     print(f"device={args.device} cache={args.fmt} batch={args.batch}: "
           f"{args.steps * args.batch / elapsed:.1f} tokens/s")
-    for d in mla_inductor.lowering.decisions():
-        print(f"mla.paged_decode on {d.problem.cache_format} cache, {d.problem.num_heads} heads -> {d.backend}")
+    q = torch.empty(args.batch, cfg.heads, cfg.kv_lora_rank, dtype=dtype, device=args.device)
+    q_pe = torch.empty(args.batch, cfg.heads, cfg.rope_dim, dtype=dtype, device=args.device)
+    chosen = mla_inductor.backend_for_call(q, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens,
+                                           cfg.nope_dim ** -0.5, cache.kv_scale)
+    print(f"mla.paged_decode on {cache.format} cache, {cfg.heads} heads -> {chosen.backend}")
     print("tokens of sequence 0:", torch.stack(generated, 1)[0].tolist())
 
 

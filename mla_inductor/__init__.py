@@ -9,12 +9,13 @@ kernel for the device when a model is compiled.
 from mla_inductor.cache import PagedLatentCache, cache_format, fp8_scale_for, pack_fp8_ds_mla, unpack_fp8_ds_mla
 from mla_inductor.contract import DecodeProblem, cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
-from mla_inductor.selection import prefer_backends, select_backend
+from mla_inductor.selection import backend_for_call, prefer_backends, select_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DecodeProblem",
+    "backend_for_call",
     "PagedLatentCache",
     "cache_append",
     "cache_format",

@@ -43,13 +43,9 @@ def _mark_static(tensors) -> None:
 
 
 def _chosen_backend(args) -> str:
-    """What the pass picks for these arguments (asked directly: a graph served from the FX graph cache
-    does not run the pass again, so lowering.decisions() may not list it)."""
-    from mla_inductor.backends import device_capability
-    from mla_inductor.contract import check_decode_args
-    from mla_inductor.selection import select_backend
+    from mla_inductor.selection import backend_for_call
 
-    return select_backend(check_decode_args(*args), device_capability(args[0].device)).backend
+    return backend_for_call(*args).backend
 
 
 def _bench(fn):

@@ -155,3 +155,16 @@ def select_backend(
             return Selection(name, tuple(reasons))
         reasons.append(f"{name}: {why}")
     raise RuntimeError(f"no MLA backend can run {problem} on capability {capability}: " + "; ".join(reasons))
+
+
+def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                     sparse_indices=None) -> Selection:
+    """The backend a ``mla.paged_decode`` call with these arguments gets (eager, and compiled: the pass
+    asks the same question). Unlike ``mla_inductor.lowering.decisions()``, it answers also when the
+    compiled graph came from Inductor's cache. Only shapes, dtypes and devices are read."""
+    from mla_inductor.backends import device_capability
+    from mla_inductor.contract import check_decode_args
+
+    problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                sparse_indices)
+    return select_backend(problem, device_capability(q_nope.device))

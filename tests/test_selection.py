@@ -116,3 +116,14 @@ def test_autotune_picks_the_fastest_candidate_and_caches_it():
     assert not autotune.autotune_enabled()
     with autotune.autotuning(True):
         assert autotune.autotune_enabled()
+
+
+def test_backend_for_call_answers_from_the_arguments():
+    from mla_inductor.testing import make_decode_inputs
+
+    x = make_decode_inputs([5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4)
+    assert mla_inductor.backend_for_call(*x.args()).backend == "reference"
+    with mla_inductor.prefer_backends("triton"):
+        assert mla_inductor.backend_for_call(*x.args()).backend == "triton"
+    with pytest.raises(ValueError, match="q_pe must be"):
+        mla_inductor.backend_for_call(x.q_nope, x.q_pe[:1], *x.args()[2:])
