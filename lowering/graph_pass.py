@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -78,6 +79,7 @@ def _log_decision(problem, capability, selection) -> None:
 
 
 _PLAN_OPS: set = set()  # plan ops the pass has inserted, for _share_plans
+_OPTIONAL_PLAN_OPS: set = set()  # of those, plans whose run op also accepts an empty plan
 
 
 def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
@@ -85,6 +87,8 @@ def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positi
     op, plan_op = backend.compiled_op(), backend.plan_op()
     if plan_op is not None:
         _PLAN_OPS.add(plan_op)
+        if backend.plan_is_optional:
+            _OPTIONAL_PLAN_OPS.add(plan_op)
 
     def replacement(*tensors):
         full = [None] * len(DECODE_ARG_NAMES)
@@ -128,7 +132,21 @@ def _share_plans(graph: torch.fx.Graph) -> int:
             shared += 1
         else:
             first[key] = node
+    for node in first.values():
+        _drop_single_use_plan(graph, node)
     return shared
+
+
+def _drop_single_use_plan(graph: torch.fx.Graph, plan: torch.fx.Node) -> None:
+    """A plan feeding one call only, of a backend that can schedule itself: hand that call [] instead."""
+    if plan.target not in _OPTIONAL_PLAN_OPS:
+        return
+    consumers = {user for item in plan.users for user in item.users}
+    if len(consumers) != 1 or any(item.target is not operator.getitem for item in plan.users):
+        return
+    (run,) = consumers
+    run.args = tuple([] if isinstance(a, (list, tuple)) and any(i in plan.users for i in a) else a
+                     for a in run.args)
 
 
 def _lower_decode_call(match: Match, *args, **kwargs) -> None:

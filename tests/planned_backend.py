@@ -25,7 +25,8 @@ def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sp
 def run(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor, sparse_indices: Optional[torch.Tensor],
         plan: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    assert len(plan) == 1 and torch.equal(plan[0], seq_lens), "run got a stale or foreign plan"
+    assert (not plan and BACKEND.plan_is_optional) or (len(plan) == 1 and torch.equal(plan[0], seq_lens)), \
+        "run got a stale or foreign plan, or none though it needs one"
     out, lse = paged_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                       sparse_indices)
     return out.contiguous(), lse.contiguous()

@@ -209,3 +209,25 @@ def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeyp
     first = ours.uuid()
     fake.__version__ = "0.0.2"
     assert first != base and ours.uuid() not in (base, first)
+
+
+def test_optional_plan_is_dropped_when_one_call_would_use_it(planned_backend, monkeypatch):
+    import planned_backend as pb
+
+    monkeypatch.setattr(pb.BACKEND, "plan_is_optional", True)
+    x = make_decode_inputs(seq_lens=[5, 17, 9], **SMALL)
+    args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+
+    def one_call(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+        return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+
+    def two_calls(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+        h = one_call(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale)
+        return one_call(h, q_pe, kv_cache, block_table, seq_lens, kv_scale)
+
+    with mla_inductor.prefer_backends("planned_test"), fresh_cache():
+        for fn, plans in ((one_call, 0), (two_calls, 1)):
+            torch._dynamo.reset()
+            got, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+            assert relative_error(got, fn(*args)) < 1e-5
+            assert code[0].count("torch.ops.mla_test.plan.default(") == plans, fn.__name__

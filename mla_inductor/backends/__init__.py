@@ -15,7 +15,9 @@ A backend answers three questions and does one thing:
   The pass calls it once per forward for all layers sharing those tensors, and hands its result to
   every ``compiled_op`` call (FlashInfer's ``plan()`` once, ``run()`` many; FlashMLA's tile scheduler).
   A plan that does host work (a device sync) is tagged ``torch.Tag.cudagraph_unsafe`` so CUDA-graph
-  capture leaves it outside the captured partitions.
+  capture leaves it outside the captured partitions. ``plan_is_optional = True`` says the run op also
+  accepts an empty plan (it then schedules itself); the pass uses that when a plan would serve one call
+  only, where planning separately costs more than it saves.
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
 
@@ -48,6 +50,7 @@ class Backend:
     """Base class of a kernel backend (see the package docstring)."""
 
     name: str = ""
+    plan_is_optional: bool = False
 
     def unavailable_reason(self) -> Optional[str]:
         return None
