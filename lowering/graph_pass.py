@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
 import mla_inductor
-from mla_inductor.backends import availability, get_backend
+from mla_inductor.backends import availability, get_backend, library_versions
 from mla_inductor.contract import DecodeProblem, check_decode_args
 from mla_inductor.autotune import autotune_enabled, fastest_backend
 from mla_inductor.selection import Selection, rank_backends, select_backend, user_preference
@@ -197,11 +197,7 @@ def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"autotune={autotune_enabled()}",
              f"available={sorted(availability().items())}"]
-    for lib in ("flashinfer", "flash_mla", "vllm", "triton"):
-        try:
-            parts.append(f"{lib}={__import__(lib).__version__}")
-        except Exception:  # noqa: BLE001 - absent or broken libraries are part of the key as such
-            parts.append(f"{lib}=absent")
+    parts += [f"{lib}={version}" for lib, version in library_versions().items()]
     if torch.cuda.is_available():
         parts.append(f"gpu={torch.cuda.get_device_name()} sm={torch.cuda.get_device_capability()}")
     return "|".join(parts)

@@ -8,29 +8,17 @@ when it is not usable), and which backend the selection table picks for typical 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 from typing import Optional
 
 import torch
 
-from mla_inductor.backends import BACKEND_MODULES, availability, device_capability
+from mla_inductor.backends import BACKEND_MODULES, availability, device_capability, library_versions
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.selection import TABLE, select_backend
 
-LIBRARIES = ("torch", "triton", "flashinfer", "flash_mla", "vllm", "transformers")
 CAPABILITIES = {"cpu": None, "SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
 FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
-
-
-def library_versions() -> dict[str, Optional[str]]:
-    versions = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = getattr(importlib.import_module(name), "__version__", "unknown version")
-        except Exception:  # noqa: BLE001 - absent or broken: either way not usable
-            versions[name] = None
-    return versions
 
 
 def example_problem(device_type: str, fmt: str, sparse: bool, heads: int, page_size: int, q_per_seq: int = 1):
@@ -70,7 +58,7 @@ def report() -> str:
     cap = device_capability(device)
     gpu = f"{torch.cuda.get_device_name()} (SM{cap[0]}{cap[1]})" if cap else "none (CPU only)"
     out.append(f"GPU: {gpu}")
-    out.append("libraries: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in library_versions().items()))
+    out.append("libraries: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in library_versions(extra=("torch", "transformers")).items()))
     avail = availability()
     out.append("backends:")
     for name, why in avail.items():

@@ -46,13 +46,13 @@ TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
-        "H100: called directly FA3 edges FlashMLA (B=64 H=128 S=4096: 144 vs 152 us), but inside a compiled "
-        "step FlashMLA plans on the device and captures whole (156 us/layer in a CUDA graph vs FA3's 161 us "
-        "plus a host plan per step); FlashMLA also wins on variable lengths (229 vs 264 us). FA3 takes page "
-        "sizes other than 64"),
+        "H100, called directly: FA3 edges FlashMLA on uniform lengths (B=64 H=128 S=4096: 144 vs 152 us) and "
+        "FlashMLA wins on variable lengths (229 vs 264 us); in a compiled step FlashMLA plans on the device "
+        "and captures whole (61-layer CUDA-graph step: 172 us/layer, docs/benchmarks.md) while FA3 needs a "
+        "host plan each step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
-        "H100: FlashMLA-fp8 fastest (B=64 H=128: 122 us direct, 185 us with q quantization in our op; "
-        "err ~1e-2 as q is quantized too); our Triton fp8 366 us; FlashInfer fp8 slower than its bf16 (453 us)"),
+        "H100: FlashMLA-fp8 fastest (B=64 H=128: 122 us; it quantizes q too, err ~1e-2); our Triton fp8 366 us "
+        "(err 2e-3); FlashInfer fp8 is slower than its own bf16 (453 us)"),
     Row("sm90", DS, False, ("triton", "reference"), "no library decodes the 656-byte layout densely"),
     Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
         "H100 sparse top-2048: FlashInfer FA3 with page_size 1 (168 us at B=128 H=128, vLLM's SM90 recipe)"),

@@ -50,6 +50,7 @@ class Backend:
     """Base class of a kernel backend (see the package docstring)."""
 
     name: str = ""
+    libraries: tuple[str, ...] = ()  # importable packages whose versions decide what the backend runs
     plan_is_optional: bool = False
 
     def unavailable_reason(self) -> Optional[str]:
@@ -84,6 +85,23 @@ def availability() -> dict[str, Optional[str]]:
         except Exception as e:  # noqa: BLE001 - a backend that cannot even import is simply unavailable
             result[name] = f"import failed: {type(e).__name__}: {e}"
     return result
+
+
+def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
+    """Version of every library a known backend draws on (plus ``extra``); None where it does not import."""
+    names = dict.fromkeys(extra)
+    for name in BACKEND_MODULES:
+        try:
+            names.update(dict.fromkeys(get_backend(name).libraries))
+        except Exception:  # noqa: BLE001 - a backend that cannot import has no libraries to report
+            continue
+    versions = {}
+    for lib in names:
+        try:
+            versions[lib] = getattr(importlib.import_module(lib), "__version__", "unknown version")
+        except Exception:  # noqa: BLE001 - absent or broken: either way not usable
+            versions[lib] = None
+    return versions
 
 
 def device_capability(device: torch.device) -> Optional[tuple[int, int]]:

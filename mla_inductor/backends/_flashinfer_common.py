@@ -331,6 +331,8 @@ class FlashInferWrapperBackend(Backend):
     top-k sparse calls with a bf16/fp16 cache (page_size 1 recipe).
     """
 
+    libraries = ("flashinfer",)
+
     def __init__(self, name: str, fi_backend: str, capability_reason):
         self.name = name
         self.fi_backend = fi_backend
@@ -432,6 +434,8 @@ def register_table_ops(name: str, run_fn):
 
 class FlashInferTableBackend(Backend):
     """A backend whose kernel takes the page table directly (no host plan): trtllm-gen, XQA."""
+
+    libraries = ("flashinfer",)
 
     def __init__(self, name: str, run_fn, support_fn, required_attr: str):
         self.name = name

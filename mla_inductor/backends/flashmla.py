@@ -414,6 +414,7 @@ def _sm(capability) -> str:
 
 class FlashMLABackend(Backend):
     name = "flashmla"
+    libraries = ("flash_mla", "vllm")  # DeepSeek's package, or the build inside a vLLM wheel
 
     def unavailable_reason(self) -> Optional[str]:
         provider, tried = find_provider()

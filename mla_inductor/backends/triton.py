@@ -51,6 +51,7 @@ def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sp
 
 class TritonBackend(Backend):
     name = "triton"
+    libraries = ("triton",)
 
     def unavailable_reason(self) -> Optional[str]:
         if importlib.util.find_spec("triton") is None:
