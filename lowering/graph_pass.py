@@ -80,6 +80,7 @@ def _log_decision(problem, capability, selection) -> None:
 
 _PLAN_OPS: set = set()  # plan ops the pass has inserted, for _share_plans
 _OPTIONAL_PLAN_OPS: set = set()  # of those, plans whose run op also accepts an empty plan
+_DECODE_AND_PLAN_OPS: dict = {}  # plan op -> op returning [out, lse, *plan] (the plan as a by-product)
 
 
 def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
@@ -89,6 +90,8 @@ def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positi
         _PLAN_OPS.add(plan_op)
         if backend.plan_is_optional:
             _OPTIONAL_PLAN_OPS.add(plan_op)
+        if backend.decode_and_plan_op() is not None:
+            _DECODE_AND_PLAN_OPS[plan_op] = backend.decode_and_plan_op()
 
     def replacement(*tensors):
         full = [None] * len(DECODE_ARG_NAMES)
@@ -133,20 +136,58 @@ def _share_plans(graph: torch.fx.Graph) -> int:
         else:
             first[key] = node
     for node in first.values():
-        _drop_single_use_plan(graph, node)
+        if not _drop_single_use_plan(graph, node):
+            _plan_in_first_call(graph, node)
     return shared
 
 
-def _drop_single_use_plan(graph: torch.fx.Graph, plan: torch.fx.Node) -> None:
-    """A plan feeding one call only, of a backend that can schedule itself: hand that call [] instead."""
-    if plan.target not in _OPTIONAL_PLAN_OPS:
-        return
+def _plan_consumers(plan: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
+    """The run nodes taking this plan's items, in graph order; None if the plan is used otherwise."""
+    if any(item.target is not operator.getitem for item in plan.users):
+        return None
     consumers = {user for item in plan.users for user in item.users}
-    if len(consumers) != 1 or any(item.target is not operator.getitem for item in plan.users):
-        return
+    return [n for n in plan.graph.nodes if n in consumers]
+
+
+def _drop_single_use_plan(graph: torch.fx.Graph, plan: torch.fx.Node) -> bool:
+    """A plan feeding one call only, of a backend that can schedule itself: hand that call [] instead.
+    Returns whether it did."""
+    consumers = _plan_consumers(plan)
+    if plan.target not in _OPTIONAL_PLAN_OPS or consumers is None or len(consumers) != 1:
+        return False
     (run,) = consumers
     run.args = tuple([] if isinstance(a, (list, tuple)) and any(i in plan.users for i in a) else a
                      for a in run.args)
+    return True
+
+
+def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node) -> None:
+    """Where the backend's decode makes the plan as a by-product, the first call of the forward becomes
+    ``decode_and_plan(<its 8 arguments>) -> [out, lse, *plan]`` and the later calls take that plan:
+    the separate plan node (which would run an extra decode) goes away."""
+    decode_and_plan = _DECODE_AND_PLAN_OPS.get(plan.target)
+    consumers = _plan_consumers(plan)
+    if decode_and_plan is None or not consumers:
+        return
+    first = consumers[0]
+    if any(user.target is not operator.getitem for user in first.users):
+        return
+    eight = first.args[:len(DECODE_ARG_NAMES)]
+    with graph.inserting_before(first):
+        merged = graph.call_function(decode_and_plan, eight)
+    merged.meta["val"] = list(first.meta["val"]) + list(plan.meta["val"])
+    with graph.inserting_after(merged):
+        items = {}
+        for item in sorted(plan.users, key=lambda n: n.args[1], reverse=True):
+            items[item] = graph.call_function(operator.getitem, (merged, 2 + item.args[1]))
+            items[item].meta.update(item.meta)
+    for result in list(first.users):  # getitem(first, 0 | 1) -> getitem(merged, 0 | 1)
+        result.args = (merged, result.args[1])
+    graph.erase_node(first)
+    for item, replacement in items.items():
+        item.replace_all_uses_with(replacement)
+        graph.erase_node(item)
+    graph.erase_node(plan)
 
 
 def _lower_decode_call(match: Match, *args, **kwargs) -> None:

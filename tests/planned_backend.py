@@ -37,8 +37,23 @@ def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sp
     return empty_decode_outputs(q_nope)
 
 
+@torch.library.custom_op("mla_test::decode_and_plan", mutates_args=())
+def decode_and_plan(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor,
+                    sparse_indices: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    made = plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+    return list(run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                    made)) + made
+
+
+@decode_and_plan.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
+    return list(empty_decode_outputs(q_nope)) + [torch.empty_like(seq_lens)]
+
+
 class PlannedBackend(Backend):
     name = "planned_test"
+    plans_in_first_call = False  # tests switch on decode_and_plan_op
 
     def supports(self, problem, capability):
         return None
@@ -48,6 +63,9 @@ class PlannedBackend(Backend):
 
     def plan_op(self):
         return torch.ops.mla_test.plan.default
+
+    def decode_and_plan_op(self):
+        return torch.ops.mla_test.decode_and_plan.default if self.plans_in_first_call else None
 
     def decode(self, *args):
         return run(*args, plan(*args))

@@ -18,6 +18,10 @@ A backend answers three questions and does one thing:
   capture leaves it outside the captured partitions. ``plan_is_optional = True`` says the run op also
   accepts an empty plan (it then schedules itself); the pass uses that when a plan would serve one call
   only, where planning separately costs more than it saves.
+- ``decode_and_plan_op()``: None, or an op taking the contract's eight arguments and returning
+  ``[out, lse, *plan]``: a decode that also returns the plan it made for itself. Where the plan is a
+  by-product of the kernel call (FlashMLA's 2026 interface), the pass gives the first call of a forward
+  this op and the later calls its plan, instead of running ``plan_op`` separately.
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
 
@@ -63,6 +67,9 @@ class Backend:
         return None
 
     def plan_op(self):
+        return None
+
+    def decode_and_plan_op(self):
         return None
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
