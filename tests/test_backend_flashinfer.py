@@ -463,3 +463,27 @@ def test_gpu_cudagraph_replay_sees_new_plan():
             ref_out, ref_lse = mla_inductor.paged_decode_reference(*args[:5], scale, x.kv_scale)
             assert relative_error(out, ref_out) < TOLERANCE[torch.bfloat16], lens
             assert relative_error(lse, ref_lse) < 1e-3, lens
+
+
+# ----------------------------------------------------------------------------- empty-row masking kernel
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
+                                   for d in (torch.bfloat16, torch.float16)])
+def test_zero_empty_rows_touches_only_empty_rows(dtype):
+    """The Triton kernel behind mask_empty_rows on CUDA (interpreter without a GPU) vs masked_fill."""
+    from mla_inductor.backends.empty_rows_kernel import zero_empty_rows
+
+    g = torch.Generator().manual_seed(5)
+    T, H, L = 7, 5, 1100  # L * H spans several blocks, H is not a power of two
+    out, lse = torch.randn(T, H, L, generator=g).to(dtype), torch.randn(T, H, generator=g)
+    counts = torch.tensor([3, 0, 1, 0, 0, 9, 2], dtype=torch.int32)
+    want_out, want_lse = out.clone(), lse.clone()
+    empty = counts == 0
+    want_out.masked_fill_(empty[:, None, None], 0)
+    want_lse.masked_fill_(empty[:, None], float("-inf"))
+    got_out, got_lse = out.to(DEV), lse.to(DEV)
+    zero_empty_rows(got_out, got_lse, counts.to(DEV))
+    assert torch.equal(got_out.cpu(), want_out) and torch.equal(got_lse.cpu(), want_lse)

@@ -328,6 +328,32 @@ def test_plan_is_handed_to_the_kernel(provider):
     assert interface.calls[0][1][2] is table
 
 
+@pytest.mark.parametrize("interface_kind", ["2026", "legacy", "fp8"])
+def test_decode_and_plan_returns_the_schedule_it_ran_with(provider, interface_kind):
+    """The first layer's op: its plan is what its own kernel call scheduled with, and later layers
+    handed that plan get the same result as the first."""
+    if interface_kind == "fp8":
+        ops = RecordingFP8Ops()
+        provider(None, ops)
+        x = make_decode_inputs([5, 70], num_heads=2, q_per_seq=2, fmt="fp8_e4m3")
+        made = lambda: ops.calls[-1][8]  # noqa: E731  md passed to fwd_kvcache_mla_fp8
+    else:
+        interface = RecordingInterface(sched_meta=interface_kind == "2026")
+        provider(interface)
+        x = make_decode_inputs([5, 70], num_heads=2, q_per_seq=2)
+        made = lambda: (interface.calls[-1][1][5].tile_scheduler_metadata  # noqa: E731
+                        if interface_kind == "2026" else interface.calls[-1][1][5])
+    out, lse, *plan = torch.ops.mla_flashmla.decode_and_plan(*x.args())
+    assert torch.equal(plan[0], made())
+    assert len(plan) == len(torch.ops.mla_flashmla.plan(*x.args()))
+    again, again_lse = torch.ops.mla_flashmla.decode(*x.args(), plan)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    # test_schema perturbs inputs with arithmetic CPU float8 lacks; the fp8 case checks the fake impl only.
+    torch.library.opcheck(torch.ops.mla_flashmla.decode_and_plan.default, x.args(),
+                          test_utils=("test_faketensor",) if interface_kind == "fp8" else
+                          ("test_schema", "test_faketensor"))
+
+
 def test_sparse_marshalling(provider):
     interface = RecordingInterface()
     provider(interface)
@@ -485,6 +511,9 @@ def test_gpu_opcheck():
     plan = torch.ops.mla_flashmla.plan(*x.args())
     torch.library.opcheck(torch.ops.mla_flashmla.plan.default, x.args(), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.mla_flashmla.decode.default, (*x.args(), plan))
+    # Like the plan op: the schedule tensors hold unwritten padding, so two runs are not bit-equal.
+    torch.library.opcheck(torch.ops.mla_flashmla.decode_and_plan.default, x.args(),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def _two_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
@@ -521,7 +550,9 @@ def test_gpu_compiled_calls_flashmla(fmt):
     torch._dynamo.reset()
     with mla_inductor.prefer_backends("flashmla"):
         result, (code, *_) = run_and_get_code(torch.compile(_two_layers, fullgraph=True), *args)
-    assert "mla_flashmla.decode" in code and code.count("mla_flashmla.plan.default(") == 1, code
+    # The first layer makes the schedule while decoding and hands it to the second: no separate plan.
+    assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
+    assert code.count("mla_flashmla.decode.default(") == 1 and "mla_flashmla.plan.default(" not in code, code
     # fp8: the kernel also quantizes q (see test_gpu_dense_fp8_matches_reference for the bound)
     _check_two_layers(args, result, TOLERANCE[torch.bfloat16] if fmt == "bf16" else FP8_QUERY_TOL,
                       lse_tol=1e-3 if fmt == "bf16" else FP8_QUERY_LSE_TOL)
@@ -543,3 +574,28 @@ def test_gpu_cuda_graph_replays_follow_seq_lens():
             _check_two_layers(args, [r.clone() for r in result], TOLERANCE[torch.bfloat16])
     counters = torch._dynamo.utils.counters["inductor"]
     assert counters["cudagraph_skips"] == 0, dict(counters)
+
+
+# ----------------------------------------------------------------------------- FP8 query quantization kernel
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
+                                   for d in (torch.bfloat16, torch.float16)])
+def test_fp8_query_kernel_matches_the_torch_quantization(dtype):
+    """The Triton quantization (CUDA; interpreter without a GPU) vs quantize_query's torch path."""
+    from mla_inductor.backends.fp8_query_kernel import quantize_per_tensor_e4m3
+
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(3, 2, 5, 576, generator=g) * 3).to(dtype)  # 17280 values: several blocks, a partial one
+    q[1, 0, 2, 7] = -40.0  # the amax, negative
+    q8, descale = quantize_per_tensor_e4m3(q.to(DEV))
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape and descale.shape == (1,)
+    assert float(descale) == pytest.approx(40.0 / 448, rel=1e-6)
+    assert float(q8.float().abs().max()) == 448.0  # the amax maps onto the top of the range
+    deq = q8.cpu().float() * descale.cpu()
+    rel = ((deq - q.float()).norm() / q.float().norm()).item()
+    # e4m3 keeps 3 mantissa bits: ~3% with round-to-nearest (GPU); the CPU interpreter truncates (~2x).
+    torch_rel = ((fm.quantize_query(q)[0].float() * (40.0 / 448) - q.float()).norm() / q.float().norm()).item()
+    assert rel <= (1.1 if DEV == "cuda" else 3.0) * torch_rel and rel < (0.04 if DEV == "cuda" else 0.09)

@@ -148,7 +148,13 @@ def compact_sparse(sparse_indices: Tensor, capacity: int) -> tuple[Tensor, Tenso
 
 
 def mask_empty_rows(out: Tensor, lse: Tensor, counts: Tensor) -> None:
-    """Rows that see no key get out 0 and lse -inf, whatever the kernel wrote (in place, on device)."""
+    """Rows that see no key get out 0 and lse -inf, whatever the kernel wrote (in place, on device).
+    On CUDA a Triton kernel touches only the empty rows (a masked_fill would rewrite all of ``out``)."""
+    if out.is_cuda and out.is_contiguous() and lse.is_contiguous():
+        from mla_inductor.backends.empty_rows_kernel import zero_empty_rows
+
+        zero_empty_rows(out, lse, counts)
+        return
     empty = counts == 0
     out.masked_fill_(empty[:, None, None], 0)
     lse.masked_fill_(empty[:, None], float("-inf"))
@@ -205,6 +211,18 @@ class _PlannedWrapper:
             kv_indices=self.kv_indices, kv_len_arr=self.kv_lens, backend=key.fi_backend)
         self.id = next(_wrapper_ids)
         self.key = key
+        # plan() reads qo_indptr / kv_indptr / kv_len_arr on the host; the indptrs depend only on the
+        # static configuration, so they live on the host (pinned) and the only device->host copy of a
+        # plan is the lengths.
+        steps = torch.arange(key.requests + 1, dtype=torch.int32)
+        per_request = key.num_indices // max(key.requests, 1)
+        self.qo_indptr_host = _pinned(steps * key.qo_len)
+        self.kv_indptr_host = _pinned(steps * per_request)
+        self.kv_lens_host = _pinned(torch.zeros(key.requests, dtype=torch.int32))
+
+
+def _pinned(t: Tensor) -> Tensor:
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 _WRAPPERS: dict[_WrapperKey, _PlannedWrapper] = {}
@@ -239,25 +257,24 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     entry = _WRAPPERS.get(key)
     if entry is None:
         entry = _WRAPPERS[key] = _PlannedWrapper(key)
-    device = q_nope.device
     P, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    steps = torch.arange(key.requests + 1, dtype=torch.int32, device=device)
     if sparse_indices is None:
         counts = dense_row_counts(seq_lens, key.qo_len)
         # Unused block-table entries may hold anything; clamped, a stray read stays inside the cache.
         kv_indices = block_table.clamp(0, P - 1).reshape(-1)
         # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided);
         # its rows see nothing by the contract and are masked after the run.
-        kv_lens = seq_lens.clamp_min(1)
-        kv_indptr = steps * block_table.shape[1]
+        kv_lens = seq_lens
     else:
         kv_indices, counts = compact_sparse(sparse_indices, P * page_size)
         kv_indices = kv_indices.reshape(-1)
-        kv_lens = counts.clamp_min(1)
-        kv_indptr = steps * sparse_indices.shape[1]
+        kv_lens = counts
+    # The plan's one device->host sync: the lengths (FlashInfer schedules on the host).
+    entry.kv_lens_host.copy_(kv_lens)
+    entry.kv_lens_host.clamp_(min=1)
     entry.wrapper.plan(
-        steps * key.qo_len, kv_indptr, kv_indices, kv_lens, key.num_heads, key.kv_lora_rank, key.rope_dim,
-        key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
+        entry.qo_indptr_host, entry.kv_indptr_host, kv_indices, entry.kv_lens_host, key.num_heads, key.kv_lora_rank,
+        key.rope_dim, key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
     return [counts]
 
 

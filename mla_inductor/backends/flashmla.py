@@ -27,14 +27,16 @@ garbage clamped to page 0 (no negative page id is ever followed); for the FP8 ex
 clamped to >= 1 (it faults on a length-0 sequence); sparse_indices padded with -1 to a multiple of 64
 when K is not one (the sparse kernels assert ``topk % 64 == 0``).
 
-Plan and run (both CUDA-graph capturable: no host sync, metadata made and read on the stream):
+Plan and run (all CUDA-graph capturable: no host sync, metadata made and read on the stream):
 
 - ``mla_flashmla::plan`` -> ``[tile_scheduler_metadata int32 [num_sm_parts, M], num_splits int32 [B+1],
   row_valid bool [T], *kernel_tensors]``. Legacy providers and the FP8 extension have a metadata
-  function; the 2026 interface (``FlashMLASchedMeta``) makes the metadata inside the first kernel call,
-  so there the plan runs the first layer's decode once and keeps only its metadata: one extra attention
-  per forward, against ~30 us of metadata kernel per layer when each call makes its own (H100) -- the
-  Inductor pass shares the plan among all layers, so this wins from about 6 layers on.
+  function; the 2026 interface (``FlashMLASchedMeta``) makes the metadata inside the kernel call, so
+  there this op runs one decode and keeps only its metadata (for callers planning by hand).
+- ``mla_flashmla::decode_and_plan`` (contract's 8 arguments) -> ``[out, lse, *plan]``: a decode that
+  also returns the schedule it made for itself. The Inductor pass gives it to the first layer of a
+  forward and hands its plan to every later layer, so a forward makes its metadata once and never
+  runs an extra attention; a forward with one call gets a plain decode with an empty plan.
 - ``mla_flashmla::decode`` (contract's 8 arguments + ``plan``) -> ``(out, lse)``. With an empty plan it
   makes everything itself (the eager path).
 
@@ -116,27 +118,31 @@ class Provider:
     def attend(self, mode: str, q: Tensor, kcache: Tensor, block_table: Tensor, seq_lens: Tensor,
                softmax_scale: float, causal: bool, indices: Optional[Tensor], md: Optional[Tensor],
                splits: Optional[Tensor], q_descale: Optional[Tensor] = None,
-               k_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """FlashMLA's call: q [B, Q, H, 576], kcache [P, 64, 1, D] -> (out [B, Q, H, 512], lse [B, H, Q]).
-        ``md``/``splits`` None: the metadata is made here (on the stream)."""
+               k_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """FlashMLA's call: q [B, Q, H, 576], kcache [P, 64, 1, D] -> (out [B, Q, H, 512], lse [B, H, Q],
+        md, splits). ``md``/``splits`` None: the metadata is made here (on the stream) and returned, so a
+        caller can hand it to later calls over the same seq_lens."""
         if mode == "dense_fp8":
             if md is None:
                 md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
             out, lse = self.fp8_ops.fwd_kvcache_mla_fp8(q, kcache, HEAD_DIM_V, seq_lens, block_table,
                                                         softmax_scale, causal, md, splits, q_descale, k_descale)
-            return out, lse
+            return out, lse, md, splits
         if self.sched_meta is None:
             if md is None:
                 md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
-            return self._call_interface(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices,
-                                        md, splits)
+            out, lse = self._call_interface(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices,
+                                            md, splits)
+            return out, lse, md, splits
         meta = self.sched_meta()
         if md is not None:
             # A fresh FlashMLASchedMeta holding tensors: the wrapper builds its config from this call
             # and hands the tensors to the kernel, which then skips making metadata.
             meta.tile_scheduler_metadata, meta.num_splits = md, splits
-        return self._call_interface(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices,
-                                    meta, None)
+        out, lse = self._call_interface(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices,
+                                        meta, None)
+        # Without tensors the kernel call made the metadata and left it in ``meta``.
+        return out, lse, meta.tile_scheduler_metadata, meta.num_splits
 
     def _call_interface(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits):
         kwargs = dict(softmax_scale=softmax_scale, causal=causal)
@@ -257,7 +263,11 @@ def _kernel_query(q_nope: Tensor, q_pe: Tensor, B: int) -> Tensor:
 
 def quantize_query(q: Tensor) -> tuple[Tensor, Tensor]:
     """q [..., 576] -> (float8_e4m3fn contiguous copy, descale fp32 [1]) with one scale per tensor
-    (``amax / 448``), all on the GPU. Written to touch q few times: one max-reduction, one scaled copy."""
+    (``amax / 448``), all on the device: two Triton kernels on CUDA (``fp8_query_kernel``), torch elsewhere."""
+    if q.is_cuda:
+        from mla_inductor.backends.fp8_query_kernel import quantize_per_tensor_e4m3
+
+        return quantize_per_tensor_e4m3(q)
     amax = torch.linalg.vector_norm(q, ord=float("inf")).float()
     descale = (amax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
     scaled = torch.mul(q, (1.0 / descale).to(q.dtype))  # |scaled| <= 448 up to rounding of q's dtype
@@ -303,8 +313,11 @@ def plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv
     return [md, splits, row_valid(seq_lens, q_nope.shape[0], sparse_indices)] + tensors
 
 
-def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-    """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32, natural log)."""
+def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                    plan) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32 natural log, the plan
+    it ran with). With ``plan == []`` the call schedules itself and returns that schedule as a plan,
+    which later layers over the same block_table / seq_lens can reuse."""
     mode, q, kcache, causal = _kernel_inputs(q_nope, q_pe, kv_cache, block_table, sparse_indices)
     provider = _require_provider()
     T, H, _ = q_nope.shape
@@ -319,16 +332,27 @@ def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     q_descale = None
     if mode == "dense_fp8":
         q, q_descale = quantize_query(q)
-    out, lse = provider.attend(mode, q, kcache, table, lens, softmax_scale, causal, indices, md, splits,
-                               q_descale, kv_scale if mode == "dense_fp8" else None)
+    out, lse, md, splits = provider.attend(mode, q, kcache, table, lens, softmax_scale, causal, indices, md, splits,
+                                           q_descale, kv_scale if mode == "dense_fp8" else None)
     out = out.reshape(T, H, HEAD_DIM_V).to(q_nope.dtype)
-    if not KERNEL_ZEROES_EMPTY_ROWS[mode]:
-        out = out.masked_fill(~valid[:, None, None], 0)
     # lse [B, H, Q] -> [T, H] and -inf for empty rows, in one pass writing a contiguous result.
     lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device)
     minus_inf = torch.full((), float("-inf"), dtype=torch.float32, device=lse.device)
     torch.where(valid.view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
-    return out, lse_out
+    if not KERNEL_ZEROES_EMPTY_ROWS[mode]:
+        if out.is_cuda and out.is_contiguous():  # touches the empty rows only (valid False reads as 0)
+            from mla_inductor.backends.empty_rows_kernel import zero_empty_rows
+
+            zero_empty_rows(out, lse_out, valid)
+        else:
+            out = out.masked_fill(~valid[:, None, None], 0)
+    return out, lse_out, plan or [md, splits, valid] + tensors
+
+
+def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32, natural log)."""
+    return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                           plan)[:2]
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -373,6 +397,10 @@ def flashmla_plan(
 
 @flashmla_plan.register_fake
 def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
+    return _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+
+
+def _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices):
     mode = _mode_of(kv_cache, sparse_indices)
     T, H, _ = q_nope.shape
     parts, width = metadata_shape(mode, q_nope.device, int(H), int(T // block_table.shape[0]), q_nope.dtype,
@@ -404,6 +432,30 @@ def flashmla_decode(
 @flashmla_decode.register_fake
 def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
     return empty_decode_outputs(q_nope)
+
+
+@torch.library.custom_op("mla_flashmla::decode_and_plan", mutates_args=())
+def flashmla_decode_and_plan(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    softmax_scale: float,
+    kv_scale: Tensor,
+    sparse_indices: Optional[Tensor] = None,
+) -> list[Tensor]:
+    """The first layer of a forward: ``[out, lse, *plan]``, its decode and the schedule it made for
+    itself (``mla_flashmla::plan``'s result), which the later layers take. FlashMLA's 2026 interface
+    builds the schedule inside the kernel call, so this is how a forward gets it without an extra attention."""
+    out, lse, plan = decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                     sparse_indices, [])
+    return [out, lse] + plan
+
+
+@flashmla_decode_and_plan.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
+    return list(empty_decode_outputs(q_nope)) + _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices)
 
 
 # ----------------------------------------------------------------------------- the backend
@@ -468,12 +520,15 @@ class FlashMLABackend(Backend):
     def compiled_op(self):
         return torch.ops.mla_flashmla.decode.default
 
-    # Without a plan each call builds its own metadata (~30 us); the 2026 interface's plan runs one whole
-    # attention to get it, which pays off only when several layers share it.
+    # Without a plan a call builds its own metadata; with several layers the first one's (decode_and_plan_op)
+    # serves them all. The standalone plan op runs one whole attention on the 2026 interface.
     plan_is_optional = True
 
     def plan_op(self):
         return torch.ops.mla_flashmla.plan.default
+
+    def decode_and_plan_op(self):
+        return torch.ops.mla_flashmla.decode_and_plan.default
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
