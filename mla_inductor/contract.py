@@ -59,6 +59,7 @@ class DecodeProblem:
     sparse: bool
     topk: Optional[int] = None
     q_per_seq: Optional[int] = None
+    batch: Optional[int] = None  # B, the number of sequences (None: symbolic, e.g. mark_unbacked)
 
 
 def _static_int(x) -> Optional[int]:
@@ -186,6 +187,7 @@ def check_decode_args(
         sparse=sparse_indices is not None,
         topk=topk,
         q_per_seq=_static_int(T // B),
+        batch=_static_int(B),
     )
 
 

@@ -21,33 +21,42 @@ CAPABILITIES = {"cpu": None, "SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM
 FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
 
 
-def example_problem(device_type: str, fmt: str, sparse: bool, heads: int, page_size: int, q_per_seq: int = 1):
+def example_problem(device_type: str, fmt: str, sparse: bool, heads: int, page_size: int, q_per_seq: int = 1,
+                    batch: Optional[int] = None):
     return DecodeProblem(device_type=device_type, cache_format=fmt, q_dtype=torch.bfloat16, num_heads=heads,
                          kv_lora_rank=512, rope_dim=64, page_size=page_size, sparse=sparse,
-                         topk=2048 if sparse else None, q_per_seq=q_per_seq)
+                         topk=2048 if sparse else None, q_per_seq=q_per_seq, batch=batch)
 
 
 def matrix_rows(available: dict[str, Optional[str]]):
-    """(device, format, sparse, heads, page_size, chosen backend, passed-over reasons) for a grid of calls."""
+    """(device, format, sparse, heads, page_size, batch, chosen backend, passed-over reasons) for a grid of
+    calls; batch "any" (a dynamic or large B), plus a "1" row where a single sequence gets another backend."""
     for (dev, cap), fmt, sparse, heads, page in itertools.product(CAPABILITIES.items(), FORMATS, (False, True),
                                                                   (16, 128), (64, 16)):
-        problem = example_problem("cpu" if cap is None else "cuda", fmt, sparse, heads, page)
-        selection = select_backend(problem, cap, available=available, preference=())
-        yield dev, fmt, sparse, heads, page, selection.backend, selection.reasons
+        for batch in (None, 1):
+            problem = example_problem("cpu" if cap is None else "cuda", fmt, sparse, heads, page, batch=batch)
+            selection = select_backend(problem, cap, available=available, preference=())
+            if batch is None:
+                any_batch = selection.backend
+            elif selection.backend == any_batch:
+                continue
+            yield dev, fmt, sparse, heads, page, batch or "any", selection.backend, selection.reasons
 
 
 def backend_matrix_markdown() -> str:
     """docs/backends.md's generated part: the table rows and what select_backend picks on each device,
     assuming every backend's library is installed."""
-    lines = ["| device | cache | sparse | preference order | evidence |", "|---|---|---|---|---|"]
+    lines = ["| device | cache | sparse | batch | preference order | evidence |", "|---|---|---|---|---|---|"]
     for row in TABLE:
-        lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | "
+        batch = "any" if row.max_batch is None else f"static, ≤ {row.max_batch}"
+        lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | {batch} | "
                      f"{' → '.join(row.order)} | {row.evidence} |")
-    lines += ["", "Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every library installed:", "",
-              "| device | cache | sparse | H | page | backend | passed over |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "First matching row wins. Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every "
+              "library installed (batch 1 listed where it differs):", "",
+              "| device | cache | sparse | H | page | B | backend | passed over |", "|---|---|---|---|---|---|---|---|"]
     everything = {name: None for name in BACKEND_MODULES}
-    for dev, fmt, sparse, heads, page, chosen, reasons in matrix_rows(everything):
-        lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {chosen} | "
+    for dev, fmt, sparse, heads, page, batch, chosen, reasons in matrix_rows(everything):
+        lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {batch} | {chosen} | "
                      f"{'; '.join(reasons) or '—'} |")
     return "\n".join(lines) + "\n"
 

@@ -33,6 +33,11 @@ class Row:
     sparse: bool
     order: tuple[str, ...]
     evidence: str
+    max_batch: Optional[int] = None  # the row applies only to calls with a static batch size <= this
+
+    def matches(self, device: str, problem: DecodeProblem) -> bool:
+        return (self.device == device and problem.cache_format in self.formats and self.sparse == problem.sparse
+                and (self.max_batch is None or (problem.batch is not None and problem.batch <= self.max_batch)))
 
 
 BF16 = ("bf16", "fp16")
@@ -45,19 +50,26 @@ FP32 = ("fp32",)
 TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
+    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
+        "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): compiled, per call in a "
+        "61-call CUDA-graph step, FA3 24.5 us vs FlashMLA 28.1 us (H=128 S=4096), 23.4 vs 31.5 us (H=16), "
+        "docs/benchmarks.md section 2", max_batch=1),
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
-        "H100, called directly: FA3 edges FlashMLA on uniform lengths (B=64 H=128 S=4096: 144 vs 152 us) and "
-        "FlashMLA wins on variable lengths (229 vs 264 us); in a compiled step FlashMLA plans on the device "
-        "and captures whole (61-layer CUDA-graph step: 172 us/layer, docs/benchmarks.md) while FA3 needs a "
-        "host plan each step. FA3 takes page sizes other than 64"),
+        "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins "
+        "on variable lengths (B=64 H=128 S<=8192: 236 vs 282 us for FA3) and is within 5% of FA3 on uniform "
+        "ones (B=64 H=128 S=4096: 152 vs 153 us; B=128 S=1024: 102 vs 95 us); it schedules on the device, "
+        "where FA3 plans on the host with a sync every step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
-        "H100: FlashMLA-fp8 fastest (B=64 H=128: 122 us; it quantizes q too, err ~1e-2); our Triton fp8 366 us "
-        "(err 2e-3); FlashInfer fp8 is slower than its own bf16 (453 us)"),
+        "H100, compiled per call: FlashMLA-fp8 fastest (B=64 H=128: 130 us, q quantized per tensor on the "
+        "device, err ~3e-2); FlashInfer FA3 with an fp8 cache is slower than its own bf16 (512 us); our "
+        "Triton fp8 kernel keeps q in bf16 (err 2e-3, 366 us, docs/benchmarks.md section 1)"),
     Row("sm90", DS, False, ("triton", "reference"), "no library decodes the 656-byte layout densely"),
     Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
-        "H100 sparse top-2048: FlashInfer FA3 with page_size 1 (168 us at B=128 H=128, vLLM's SM90 recipe)"),
+        "H100 sparse top-2048 on a bf16 cache: FlashInfer FA3 with page_size 1 (vLLM's SM90 recipe), compiled "
+        "per call 177 us at B=128 H=128 (docs/benchmarks.md section 2)"),
     Row("sm90", DS, True, ("flashmla", "triton", "reference"),
-        "FlashMLA sparse decode reads the 656-byte layout directly (214 us at B=128 H=128, 43% fewer bytes)"),
+        "FlashMLA sparse decode reads the 656-byte layout directly: compiled per call 212 us at B=128 H=128 "
+        "(docs/benchmarks.md section 2), 43% fewer bytes than bf16"),
     Row("sm100", BF16 + FP8, False, ("flashinfer_trtllm", "flashinfer_fa2", "triton", "reference"),
         "Blackwell datacenter: trtllm-gen MLA is FlashInfer's and vLLM's default on SM100"),
     Row("sm100", BF16 + FP8, True, ("flashinfer_trtllm", "triton", "reference"),
@@ -82,7 +94,7 @@ def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]]) -
     """Backends to try, best first, for this device and problem (the first matching TABLE row)."""
     device = device_class(problem.device_type, capability)
     for row in TABLE:
-        if row.device == device and problem.cache_format in row.formats and row.sparse == problem.sparse:
+        if row.matches(device, problem):
             return list(row.order)
     return ["triton", "reference"] if device != "cpu" else ["reference"]
 

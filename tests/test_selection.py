@@ -28,11 +28,23 @@ def test_device_classes():
 
 def test_every_cell_selects_a_backend():
     rows = list(matrix_rows(EVERYTHING))
-    assert len(rows) == 6 * 3 * 2 * 2 * 2
-    for dev, fmt, sparse, heads, page, chosen, reasons in rows:
+    any_batch = [r for r in rows if r[5] == "any"]
+    assert len(any_batch) == 6 * 3 * 2 * 2 * 2
+    for dev, fmt, sparse, heads, page, batch, chosen, reasons in rows:
         assert chosen in BACKEND_MODULES
         if dev == "cpu":
             assert chosen == "reference"
+    # A batch-1 row is listed only where it changes the choice: SM90 dense bf16 goes to FA3.
+    assert {(r[0], r[1], r[2], r[6]) for r in rows if r[5] == 1} == {("SM90", "bf16", False, "flashinfer_fa3")}
+
+
+@pytest.mark.parametrize("batch,want", [(1, "flashinfer_fa3"), (2, "flashmla"), (None, "flashmla")])
+def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
+    """Only a static B=1 takes the single-sequence row; a symbolic batch (mark_unbacked) cannot."""
+    problem = example_problem("cuda", "bf16", False, 128, 64, batch=batch)
+    assert select_backend(problem, SM90, available=EVERYTHING, preference=()).backend == want
+    fp8 = example_problem("cuda", "fp8_e4m3", False, 128, 64, batch=batch)
+    assert select_backend(fp8, SM90, available=EVERYTHING, preference=()).backend == "flashmla"
 
 
 @pytest.mark.parametrize("fmt,sparse,available,want", [
