@@ -472,18 +472,24 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
                                    for d in (torch.bfloat16, torch.float16)])
-def test_zero_empty_rows_touches_only_empty_rows(dtype):
-    """The Triton kernel behind mask_empty_rows on CUDA (interpreter without a GPU) vs masked_fill."""
-    from mla_inductor.backends.empty_rows_kernel import zero_empty_rows
+@pytest.mark.parametrize("Q,copy_lse,zero_out", [(1, False, True), (2, True, True), (2, True, False), (1, True, False)])
+def test_finish_rows_touches_only_empty_rows(dtype, Q, copy_lse, zero_out):
+    """The Triton epilogue (CUDA; the interpreter without a GPU) vs torch: lse copied from a [B, H, Q]
+    kernel layout, -inf and (optionally) out 0 on rows that see nothing, other rows of out untouched."""
+    from mla_inductor.backends.empty_rows_kernel import finish_rows
 
     g = torch.Generator().manual_seed(5)
-    T, H, L = 7, 5, 1100  # L * H spans several blocks, H is not a power of two
+    B, H, L = 4, 5, 1100  # L * H spans several blocks, H is not a power of two
+    T = B * Q
     out, lse = torch.randn(T, H, L, generator=g).to(dtype), torch.randn(T, H, generator=g)
-    counts = torch.tensor([3, 0, 1, 0, 0, 9, 2], dtype=torch.int32)
-    want_out, want_lse = out.clone(), lse.clone()
+    kernel_lse = torch.randn(B, H, Q, generator=g)  # FlashMLA's layout
+    counts = torch.tensor([3, 0, 1, 0, 0, 9, 2, 7][:T], dtype=torch.int32)
     empty = counts == 0
-    want_out.masked_fill_(empty[:, None, None], 0)
+    want_out, want_lse = out.clone(), kernel_lse.transpose(1, 2).reshape(T, H).clone() if copy_lse else lse.clone()
+    if zero_out:
+        want_out.masked_fill_(empty[:, None, None], 0)
     want_lse.masked_fill_(empty[:, None], float("-inf"))
     got_out, got_lse = out.to(DEV), lse.to(DEV)
-    zero_empty_rows(got_out, got_lse, counts.to(DEV))
+    finish_rows(got_out, got_lse, (counts > 0).to(DEV) if Q == 2 else counts.to(DEV),
+                lse_src=kernel_lse.to(DEV).transpose(1, 2) if copy_lse else None, zero_out=zero_out)
     assert torch.equal(got_out.cpu(), want_out) and torch.equal(got_lse.cpu(), want_lse)

@@ -124,6 +124,8 @@ def dims_reason(problem: DecodeProblem, allowed=(DEEPSEEK_DIMS,)) -> Optional[st
 
 def dense_row_counts(seq_lens: Tensor, q_per_seq: int) -> Tensor:
     """int32 [B * Q]: keys row ``b*Q + j`` attends (``max(0, seq_lens[b] - Q + j + 1)``)."""
+    if q_per_seq == 1:  # one launch instead of five (a host plan pays each launch before its sync)
+        return seq_lens.clamp_min(0).to(torch.int32)
     j = torch.arange(q_per_seq, device=seq_lens.device, dtype=torch.int32)
     return (seq_lens[:, None] - q_per_seq + 1 + j).clamp_min(0).reshape(-1).to(torch.int32)
 

@@ -1,9 +1,11 @@
-"""Zero the rows of a decode result that see no key, touching only those rows.
+"""Finishing a decode result on the GPU in one small kernel: rows that see no key get ``out`` 0 and
+``lse`` -inf, touching only those rows.
 
 Kernels that take a length per row cannot run a length-0 row, so the backends run it as length 1 and
-overwrite the result afterwards: ``out`` 0 and ``lse`` -inf (the contract). A ``masked_fill`` does that
-by reading and writing all of ``out`` (8 MiB at B=64, H=128: ~6 us on an H100, per layer); this kernel
-has one program per row that returns at once unless the row is empty. No host sync, CUDA-graph safe.
+overwrite the result afterwards (the contract). A ``masked_fill`` does that by reading and writing all of
+``out`` (8 MiB at B=64, H=128: ~6 us on an H100, per layer); these kernels have one program per row that
+leaves ``out`` alone unless the row is empty. ``finish_rows`` also copies a kernel's lse from its own
+layout into the contract's, so the whole epilogue is one launch. No host sync, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -16,23 +18,41 @@ BLOCK = 1024
 
 
 @triton.jit
-def _zero_empty_rows_kernel(OUT, LSE, COUNTS, ROW_NUMEL, H, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+def _finish_rows_kernel(OUT, LSE, COUNTS, SRC, ROW_NUMEL, H, Q, s_b, s_q, s_h,
+                        COPY_LSE: tl.constexpr, ZERO_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if tl.load(COUNTS + row) == 0:
-        for start in range(0, ROW_NUMEL, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            tl.store(OUT + row * ROW_NUMEL + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty),
-                     mask=offs < ROW_NUMEL)
-        h = tl.arange(0, BLOCK_H)
-        tl.store(LSE + row * H + h, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h < H)
+    empty = tl.load(COUNTS + row) == 0
+    h = tl.arange(0, BLOCK_H)
+    if COPY_LSE:  # LSE[row, h] = SRC[b, j, h] (row = b * Q + j), -inf if the row is empty
+        src = tl.load(SRC + (row // Q) * s_b + (row % Q) * s_q + h * s_h, mask=h < H, other=0.0)
+        tl.store(LSE + row * H + h, tl.where(empty, float("-inf"), src), mask=h < H)
+    if empty:
+        if not COPY_LSE:
+            tl.store(LSE + row * H + h, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h < H)
+        if ZERO_OUT:
+            for start in range(0, ROW_NUMEL, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(OUT + row * ROW_NUMEL + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty),
+                         mask=offs < ROW_NUMEL)
 
 
-def zero_empty_rows(out: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor) -> None:
-    """In place: rows ``t`` with ``counts[t] == 0`` get ``out[t] = 0`` and ``lse[t] = -inf``.
-
-    out [T, H, L] and lse [T, H] fp32 contiguous (as ``contract.empty_decode_outputs`` makes them),
-    counts int [T], all on one device."""
+def finish_rows(out: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor, lse_src: torch.Tensor = None,
+                zero_out: bool = True) -> None:
+    """In place, one launch. ``lse_src`` [B, Q, H] (any strides, fp32): copied into ``lse`` [T = B*Q, H]
+    first. Rows ``t`` with ``counts[t] == 0`` (a bool "sees anything" mask works too) get ``lse[t] = -inf``
+    and, with ``zero_out``, ``out[t] = 0``. out [T, H, L] and lse [T, H] fp32 contiguous, as
+    ``contract.empty_decode_outputs`` makes them; all on one device."""
     T, H, L = out.shape
     if T == 0:
         return
-    _zero_empty_rows_kernel[(T,)](out, lse, counts, H * L, H, BLOCK=BLOCK, BLOCK_H=triton.next_power_of_2(H))
+    copy = lse_src is not None
+    src = lse_src if copy else lse
+    strides = lse_src.stride() if copy else (0, 0, 0)
+    Q = lse_src.shape[1] if copy else 1
+    _finish_rows_kernel[(T,)](out, lse, counts, src, H * L, H, Q, *strides, COPY_LSE=copy, ZERO_OUT=zero_out,
+                              BLOCK=BLOCK, BLOCK_H=triton.next_power_of_2(H))
+
+
+def zero_empty_rows(out: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor) -> None:
+    """In place: rows ``t`` with ``counts[t] == 0`` get ``out[t] = 0`` and ``lse[t] = -inf``."""
+    finish_rows(out, lse, counts)

@@ -335,16 +335,16 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
     out, lse, md, splits = provider.attend(mode, q, kcache, table, lens, softmax_scale, causal, indices, md, splits,
                                            q_descale, kv_scale if mode == "dense_fp8" else None)
     out = out.reshape(T, H, HEAD_DIM_V).to(q_nope.dtype)
-    # lse [B, H, Q] -> [T, H] and -inf for empty rows, in one pass writing a contiguous result.
+    # lse [B, H, Q] -> [T, H] with -inf for empty rows (and out 0 there where the kernel leaves garbage).
     lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device)
-    minus_inf = torch.full((), float("-inf"), dtype=torch.float32, device=lse.device)
-    torch.where(valid.view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
-    if not KERNEL_ZEROES_EMPTY_ROWS[mode]:
-        if out.is_cuda and out.is_contiguous():  # touches the empty rows only (valid False reads as 0)
-            from mla_inductor.backends.empty_rows_kernel import zero_empty_rows
+    if out.is_cuda and out.is_contiguous():  # one launch; valid False reads as a count of 0
+        from mla_inductor.backends.empty_rows_kernel import finish_rows
 
-            zero_empty_rows(out, lse_out, valid)
-        else:
+        finish_rows(out, lse_out, valid, lse_src=lse.transpose(1, 2), zero_out=not KERNEL_ZEROES_EMPTY_ROWS[mode])
+    else:
+        minus_inf = torch.full((), float("-inf"), dtype=torch.float32, device=lse.device)
+        torch.where(valid.view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
+        if not KERNEL_ZEROES_EMPTY_ROWS[mode]:
             out = out.masked_fill(~valid[:, None, None], 0)
     return out, lse_out, plan or [md, splits, valid] + tensors
 
