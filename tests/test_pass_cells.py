@@ -1,0 +1,136 @@
+"""FileCheck of the pass's rewrite for every (capability, cache format, sparse) cell, on any machine.
+
+The graph is traced with fake CUDA tensors (FakeTensorMode needs no GPU), the device's capability is
+faked, every backend is treated as installed, and the post-grad pass runs on the graph. The rewritten
+graph must call exactly what ``select_backend`` picked for the cell: its run op once per layer, its plan
+made once per forward (or by the first layer, for backends whose kernel makes it), and nothing of
+``mla.paged_decode`` left. GPU runs of the same ops against the reference are in the backend tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+import mla_inductor
+from mla_inductor.backends import BACKEND_MODULES, get_backend
+from mla_inductor.backends import flashmla
+from mla_inductor.info import example_problem
+from mla_inductor.selection import select_backend
+
+CAPABILITIES = {"SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
+FORMATS = {"bf16": (torch.bfloat16, 576), "fp8_e4m3": (torch.float8_e4m3fn, 576), "fp8_ds_mla": (torch.uint8, 656)}
+EVERYTHING = {name: None for name in BACKEND_MODULES}
+T, H, PAGES, TOPK = 4, 128, 8, 2048
+
+
+def two_layers(q_nope, q_pe, cache_a, cache_b, block_table, seq_lens, kv_scale, sparse_indices):
+    a = torch.ops.mla.paged_decode(q_nope, q_pe, cache_a, block_table, seq_lens, 0.07, kv_scale, sparse_indices)
+    b, lse = torch.ops.mla.paged_decode_with_lse(a, q_pe, cache_b, block_table, seq_lens, 0.07, kv_scale,
+                                                 sparse_indices)
+    return b, lse
+
+
+def _fake_inputs(fmt: str, sparse: bool):
+    dtype, width = FORMATS[fmt]
+    cuda = dict(device="cuda")
+    return (torch.empty(T, H, 512, dtype=torch.bfloat16, **cuda), torch.empty(T, H, 64, dtype=torch.bfloat16, **cuda),
+            torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda), torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda),
+            torch.zeros(T, PAGES, dtype=torch.int32, **cuda), torch.ones(T, dtype=torch.int32, **cuda),
+            torch.ones(1, dtype=torch.float32, **cuda),
+            torch.zeros(T, TOPK, dtype=torch.int32, **cuda) if sparse else None)
+
+
+def _call(op) -> str:
+    namespace, name = op.name().split("::")
+    return f"torch.ops.{namespace}.{name}.{op._overloadname}("
+
+
+def _traced_and_lowered(fmt: str, sparse: bool) -> torch.fx.GraphModule:
+    """two_layers traced on fake CUDA tensors, then our post-grad pass, in the fake mode Inductor would use."""
+    from torch._inductor.virtualized import V
+
+    from mla_inductor.lowering import MLALoweringPass
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        gm = make_fx(two_layers)(*_fake_inputs(fmt, sparse))
+    assert gm.code.count("torch.ops.mla.paged_decode") == 2
+    with V.set_fake_mode(mode), mode:
+        MLALoweringPass()(gm.graph)
+    gm.recompile()
+    return gm
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU of the given capability with every backend library installed, as the pass sees it."""
+    from mla_inductor import backends
+    from mla_inductor.lowering import graph_pass
+
+    monkeypatch.setattr(backends, "availability", lambda: dict(EVERYTHING))
+    monkeypatch.setattr(flashmla, "metadata_shape", lambda *args: (132, 8))  # measured on the GPU otherwise
+
+    def use(capability):
+        monkeypatch.setattr(graph_pass, "_capability", lambda device: capability)
+    return use
+
+
+CELLS = [(cap, fmt, sparse) for cap in CAPABILITIES for fmt in FORMATS for sparse in (False, True)]
+
+
+def _cell_param(cap, fmt, sparse):
+    chosen = select_backend(example_problem("cuda", fmt, sparse, H, 64, batch=T), CAPABILITIES[cap],
+                            available=EVERYTHING, preference=()).backend
+    # Tracing the reference's gathers on fake CUDA tensors needs a CUDA-enabled torch build (a GPU need
+    # not be present); the reference's rewrite itself is FileChecked on CPU in test_compile_cpu.py.
+    marks = [pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="the reference traced on fake CUDA "
+                                "tensors needs a CUDA-enabled torch build")] if chosen == "reference" else []
+    return pytest.param(cap, fmt, sparse, marks=marks, id=f"{cap}-{fmt}-{'sparse' if sparse else 'dense'}-{chosen}")
+
+
+@pytest.mark.parametrize("cap,fmt,sparse", [_cell_param(*cell) for cell in CELLS])
+def test_each_cell_is_rewritten_into_the_selected_backend(fake_gpu, cap, fmt, sparse):
+    capability = CAPABILITIES[cap]
+    fake_gpu(capability)
+    problem = example_problem("cuda", fmt, sparse, H, 64, batch=T)
+    backend = get_backend(select_backend(problem, capability, available=EVERYTHING, preference=()).backend)
+    gm = _traced_and_lowered(fmt, sparse)
+    code = gm.code
+    check = FileCheck().check_not("torch.ops.mla.paged_decode")
+    run, plan, first = backend.compiled_op(), backend.plan_op(), backend.decode_and_plan_op()
+    if run is None:  # traced into aten ops (the reference): no opaque MLA op at all
+        check.check_not("torch.ops.mla")
+    elif first is not None:  # the first layer makes the plan, the second takes it
+        check.check_count(_call(first), 1, exactly=True).check_count(_call(run), 1, exactly=True)
+        check.check_not(_call(plan))
+    else:
+        if plan is not None:
+            check.check_count(_call(plan), 1, exactly=True)
+        check.check_count(_call(run), 2, exactly=True)
+    check.run(code)
+
+
+def test_the_cells_reach_every_backend_but_xqa():
+    """Every backend is some cell's choice except XQA (a fallback), whose rewrite is checked below."""
+    chosen = {select_backend(example_problem("cuda", fmt, sparse, H, 64, batch=T), CAPABILITIES[cap],
+                             available=EVERYTHING, preference=()).backend for cap, fmt, sparse in CELLS}
+    assert chosen == set(BACKEND_MODULES) - {"flashinfer_xqa"}
+
+
+@pytest.mark.parametrize("backend,cap,fmt", [
+    pytest.param("flashinfer_xqa", "SM120", "fp8_e4m3", marks=pytest.mark.skipif(
+        torch.version.cuda is None, reason="XQA accepts calls only under a CUDA 12.8+ torch build")),
+    ("triton", "SM90", "bf16"), ("flashinfer_fa2", "SM90", "bf16")])
+def test_a_preference_changes_the_rewrite(fake_gpu, backend, cap, fmt):
+    fake_gpu(CAPABILITIES[cap])
+    with mla_inductor.prefer_backends(backend):
+        gm = _traced_and_lowered(fmt, False)
+    b = get_backend(backend)
+    check = FileCheck().check_not("torch.ops.mla.paged_decode")
+    if b.plan_op() is not None:
+        check.check_count(_call(b.plan_op()), 1, exactly=True)
+    check.check_count(_call(b.compiled_op()), 2, exactly=True).check_not("mla_flashmla").run(gm.code)
