@@ -583,12 +583,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
                                    for d in (torch.bfloat16, torch.float16)])
-def test_fp8_query_kernel_matches_the_torch_quantization(dtype):
-    """The Triton quantization (CUDA; interpreter without a GPU) vs quantize_query's torch path."""
-    from mla_inductor.backends.fp8_query_kernel import quantize_per_tensor_e4m3
+@pytest.mark.parametrize("shape", [(3, 2, 5, 576), (17, 1, 128, 576)], ids=["small", "large"])
+def test_fp8_query_kernel_matches_the_torch_quantization(dtype, shape):
+    """The Triton quantization (CUDA; interpreter without a GPU) vs quantize_query's torch path, in both
+    launch configurations (17280 and 1.25M values: several blocks and a partial one each)."""
+    from mla_inductor.backends.fp8_query_kernel import SMALL, quantize_per_tensor_e4m3
 
     g = torch.Generator().manual_seed(11)
-    q = (torch.randn(3, 2, 5, 576, generator=g) * 3).to(dtype)  # 17280 values: several blocks, a partial one
+    q = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    assert (q.numel() <= SMALL) == (shape[0] == 3)
     q[1, 0, 2, 7] = -40.0  # the amax, negative
     q8, descale = quantize_per_tensor_e4m3(q.to(DEV))
     assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape and descale.shape == (1,)

@@ -15,7 +15,13 @@ import triton.language as tl
 
 from mla_inductor.cache import FP8_E4M3_MAX
 
-BLOCK = 4096
+# Measured on the H100 (CUDA-graph replays of the two kernels): 2048-value blocks are best for small
+# queries (B=1, H=128: 4.0 vs 5.1 us with 4096), 8192 with 8 warps for large ones (B=64: 8.5 vs 8.7 us).
+SMALL = 1 << 20  # values
+
+
+def _launch_config(n: int) -> tuple[int, int]:
+    return (2048, 4) if n <= SMALL else (8192, 8)
 
 
 @triton.jit
@@ -44,8 +50,9 @@ def quantize_per_tensor_e4m3(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     amax = torch.zeros(1, dtype=torch.float32, device=q.device)
     descale = torch.empty(1, dtype=torch.float32, device=q.device)
     q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    grid = (max(triton.cdiv(n, BLOCK), 1),)
-    _absmax_kernel[grid](q, amax, n, BLOCK=BLOCK)
+    block, warps = _launch_config(n)
+    grid = (max(triton.cdiv(n, block), 1),)
+    _absmax_kernel[grid](q, amax, n, BLOCK=block, num_warps=warps)
     _scaled_cast_kernel[grid](q, q8, amax, descale, n, FP8_MAX=FP8_E4M3_MAX,
-                              TINY=torch.finfo(torch.float32).tiny, BLOCK=BLOCK)
+                              TINY=torch.finfo(torch.float32).tiny, BLOCK=block, num_warps=warps)
     return q8, descale
