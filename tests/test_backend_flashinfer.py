@@ -21,6 +21,7 @@ from mla_inductor.backends import _flashinfer_common as common
 from mla_inductor.backends import get_backend
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
+from triton_support import needs_triton
 
 NAMES = ("flashinfer_fa2", "flashinfer_fa3", "flashinfer_trtllm", "flashinfer_xqa")
 CAPS = {"CPU": None, "SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
@@ -470,6 +471,7 @@ def test_gpu_cudagraph_replay_sees_new_plan():
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
                                    for d in (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("Q,copy_lse,zero_out", [(1, False, True), (2, True, True), (2, True, False), (1, True, False)])

@@ -24,6 +24,7 @@ from mla_inductor.backends import flashmla as fm
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
+from triton_support import needs_triton
 
 BACKEND = fm.BACKEND
 
@@ -581,6 +582,7 @@ def test_gpu_cuda_graph_replays_follow_seq_lens():
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
                                    for d in (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("shape", [(3, 2, 5, 576), (17, 1, 128, 576)], ids=["small", "large"])

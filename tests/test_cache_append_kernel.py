@@ -7,6 +7,7 @@ from mla_inductor.cache import decode_tokens, encode_tokens
 from mla_inductor.cache_append_kernel import triton_cache_append
 from mla_inductor.reference import cache_append_reference
 from mla_inductor.testing import relative_error
+from triton_support import needs_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # On the GPU both writers round to nearest: same values. Triton's CPU interpreter truncates when it
@@ -16,6 +17,7 @@ BOUND = ({"fp32": 1e-6, "fp16": 1e-6, "bf16": 1e-6, "fp8_e4m3": 1e-6, "fp8_ds_ml
 
 
 # Marked gpu on a CUDA machine so `pytest -m gpu` runs it there; without CUDA it runs in the interpreter.
+@needs_triton
 @pytest.mark.parametrize("fmt", [pytest.param(f, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
                                  for f in ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_ds_mla"]])
 def test_kernel_writes_what_the_reference_writes(fmt):

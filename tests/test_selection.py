@@ -9,6 +9,7 @@ import mla_inductor
 from mla_inductor.backends import BACKEND_MODULES
 from mla_inductor.info import backend_matrix_markdown, example_problem, matrix_rows
 from mla_inductor.selection import BACKEND_ENV, TABLE, device_class, select_backend
+from triton_support import needs_triton
 
 EVERYTHING = {name: None for name in BACKEND_MODULES}
 SM90 = (9, 0)
@@ -107,6 +108,7 @@ def test_docs_backends_md_matches_select_backend():
     assert generated == backend_matrix_markdown(), "docs/backends.md is stale: regenerate it"
 
 
+@needs_triton
 def test_autotune_picks_the_fastest_candidate_and_caches_it():
     from mla_inductor import autotune
 

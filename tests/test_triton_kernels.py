@@ -18,19 +18,15 @@ import triton  # noqa: E402
 
 from mla_inductor.backends import triton_kernels as tk  # noqa: E402
 from mla_inductor.backends.triton_kernels import DecodeConfig, triton_paged_decode  # noqa: E402
+from triton_support import INTERPRETER_OK, interpreter_active  # noqa: E402
 
 
 def _interpreter_active() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(tk._mla_decode_kernel, InterpretedFunction) and isinstance(
-        triton.language.standard.max, InterpretedFunction)
+    return isinstance(tk._mla_decode_kernel, InterpretedFunction) and interpreter_active()
 
 
-# Triton 3.6's interpreter stops on these kernels (numpy "only 0-dimensional arrays can be converted to
-# Python scalars", seen with torch 2.11); 3.8's (torch 2.14.1) and 3.9's (CI's) run them. GPUs compile them
-# natively.
-INTERPRETER_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
 CPU_OK = HAS_CUDA or (_interpreter_active() and INTERPRETER_OK)
 DEV = "cuda" if HAS_CUDA else "cpu"
 cpu_only = pytest.mark.skipif(not CPU_OK, reason="needs a GPU, or Triton >= 3.8's interpreter with TRITON_INTERPRET=1 "
