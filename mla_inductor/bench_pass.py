@@ -3,7 +3,8 @@
 
 Usage (GPU machine, project root):
     source .gpu-deps/env.sh; python -m mla_inductor.bench_pass [--quick] [--layers 61]
-        [--backends chosen,flashmla,flashinfer_fa3] [--cases 0-3] [--no-sparse] [--no-step]
+        [--backends chosen,flashmla,flashinfer_fa3] [--cases 0-3 | --case var,64,16,8192 ...]
+        [--formats bf16,fp8_e4m3] [--no-sparse] [--no-step]
 
 Cases and peers come from ``.gpu-deps/peers.py`` (imported) and are timed in the same run, the same
 way (do_bench median, warmup=25, rep=200). For each case, cache format and backend:
@@ -147,7 +148,7 @@ def per_call_rows(label: str, makers: dict, c, q, kv_cache, block_table, seq_len
         rows.append(row)
 
 
-def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list) -> None:
+def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list, formats=("bf16", "fp8_e4m3")) -> None:
     for cfg in cases:
         varlen = cfg[0] == "var"
         B, H, S = cfg[1:] if varlen else cfg
@@ -157,6 +158,8 @@ def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list) -> None
         cache, k_scale = peers.fp8_cache(c)
         for fmt, kv_cache, kv_scale, want in (("bf16", c["cache"], one, ref),
                                               ("fp8_e4m3", cache, k_scale.reshape(1).float(), c["ref_fp8"])):
+            if fmt not in formats:
+                continue
             makers = {n: m for n, m in peers.PEERS.items() if n.endswith("fp8") == (fmt != "bf16")}
             label = f"{'var' if varlen else ''}B={B} H={H} S={S} {fmt}"
             per_call_rows(label, makers, c, c["q"], kv_cache, c["block_table"], c["lens"], c["scale"], kv_scale,
@@ -264,6 +267,9 @@ def main(argv=None) -> None:
     p.add_argument("--backends", default="chosen,flashmla,flashinfer_fa3",
                    help="backends compiled per case ('chosen' = the table's choice)")
     p.add_argument("--cases", default="", help="index range of the dense cases, e.g. 0-3")
+    p.add_argument("--case", action="append", default=[],
+                   help="a dense case instead of peers.FULL: B,H,S or var,B,H,S (repeatable)")
+    p.add_argument("--formats", default="bf16,fp8_e4m3", help="cache formats of the dense cases")
     p.add_argument("--no-sparse", action="store_true")
     p.add_argument("--no-step", action="store_true", help="skip the 61-layer overhead rows")
     args = p.parse_args(argv)
@@ -273,8 +279,9 @@ def main(argv=None) -> None:
     rows = [f"# {torch.cuda.get_device_name()} torch {torch.__version__}, {versions}, {time.strftime('%Y-%m-%d')}",
             f"# per call = a compiled CUDA-graph step of {args.layers} calls / {args.layers}; * = the table's choice"]
     print("\n".join(rows), flush=True)
-    sections = [lambda: dense_rows(peers, _select(peers.QUICK if args.quick else peers.FULL, args.cases),
-                                   args.layers, wanted, rows)]
+    cases = [tuple(int(x) if x != "var" else x for x in spec.split(",")) for spec in args.case] or _select(
+        peers.QUICK if args.quick else peers.FULL, args.cases)
+    sections = [lambda: dense_rows(peers, cases, args.layers, wanted, rows, tuple(args.formats.split(",")))]
     if not args.no_sparse:
         sections.append(lambda: sparse_rows(peers, args.layers, wanted, rows))
     if not args.no_step:
