@@ -330,23 +330,32 @@ def _register_wrapper_ops(fi_backend: str):
     def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return [q_nope.new_empty((q_nope.shape[0],), dtype=torch.int32)]
 
-    def run(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-            softmax_scale: float, kv_scale: Tensor, sparse_indices: Optional[Tensor],
-            plan: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
         return wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                            sparse_indices, plan)
 
-    run.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after "
-                   f"plan_{fi_backend}: (out [T, H, L], lse [T, H] fp32, natural log).")
-    run_op = torch.library.custom_op(f"mla_flashinfer::run_{fi_backend}", run, mutates_args=())
+    run_fn.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after "
+                      f"plan_{fi_backend}: (out [T, H, L], lse [T, H] fp32, natural log).")
+    return getattr(torch.ops.mla_flashinfer, name).default, _register_run_op(fi_backend, run_fn)
+
+
+def _register_run_op(name: str, run_fn):
+    """``mla_flashinfer::run_<name>``: ``run_fn(<8 contract args>, plan) -> (out, lse)`` with the contract's
+    fake outputs. Returns the OpOverload (the pass matches graph nodes by it, not by the CustomOpDef)."""
+
+    def run(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+            softmax_scale: float, kv_scale: Tensor, sparse_indices: Optional[Tensor],
+            plan: list[Tensor]) -> tuple[Tensor, Tensor]:
+        return run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan)
+
+    run.__doc__ = run_fn.__doc__
+    run_op = torch.library.custom_op(f"mla_flashinfer::run_{name}", run, mutates_args=())
 
     @run_op.register_fake
     def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
         return empty_decode_outputs(q_nope)
 
-    # The pass matches graph nodes by their OpOverload, so hand out overloads rather than the CustomOpDefs.
-    ops = torch.ops.mla_flashinfer
-    return getattr(ops, f"plan_{fi_backend}").default, getattr(ops, f"run_{fi_backend}").default
+    return getattr(torch.ops.mla_flashinfer, f"run_{name}").default
 
 
 class FlashInferWrapperBackend(Backend):
@@ -442,20 +451,7 @@ def register_table_ops(name: str, run_fn):
         return [table.new_empty(table.shape), q_nope.new_empty((rows,), dtype=torch.int32),
                 q_nope.new_empty((T,), dtype=torch.int32)]
 
-    def run(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-            softmax_scale: float, kv_scale: Tensor, sparse_indices: Optional[Tensor],
-            plan: list[Tensor]) -> tuple[Tensor, Tensor]:
-        return run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan)
-
-    run.__doc__ = run_fn.__doc__
-    run_op = torch.library.custom_op(f"mla_flashinfer::run_{name}", run, mutates_args=())
-
-    @run_op.register_fake
-    def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-        return empty_decode_outputs(q_nope)
-
-    ops = torch.ops.mla_flashinfer
-    return getattr(ops, f"prepare_{name}").default, getattr(ops, f"run_{name}").default
+    return getattr(torch.ops.mla_flashinfer, f"prepare_{name}").default, _register_run_op(name, run_fn)
 
 
 class FlashInferTableBackend(Backend):
