@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternM
 
 import mla_inductor
 from mla_inductor.backends import availability, get_backend, library_versions
-from mla_inductor.contract import DecodeProblem, check_decode_args
+from mla_inductor.contract import DecodeProblem, check_decode_args, empty_decode_outputs
 from mla_inductor.autotune import autotune_enabled, fastest_backend
 from mla_inductor.selection import Selection, rank_backends, select_backend, user_preference
 
@@ -81,15 +81,19 @@ def _log_decision(problem, capability, selection) -> None:
 _PLAN_OPS: set = set()  # plan ops the pass has inserted, for _share_plans
 _OPTIONAL_PLAN_OPS: set = set()  # of those, plans whose run op also accepts an empty plan
 _DECODE_AND_PLAN_OPS: dict = {}  # plan op -> op returning [out, lse, *plan] (the plan as a by-product)
+_OUT_ONLY_OPS: set = set()  # run ops returning out alone (for calls whose lse nobody reads)
 
 
 def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
     """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
     op, plan_op = backend.compiled_op(), backend.plan_op()
-    if plan_op is not None:
+    out_only = None if with_lse or op is None else backend.out_only_op()
+    if out_only is not None:
+        _OUT_ONLY_OPS.add(out_only)
+    if plan_op is not None:  # what the backend says now (a test may change a backend's answers)
         _PLAN_OPS.add(plan_op)
-        if backend.plan_is_optional:
-            _OPTIONAL_PLAN_OPS.add(plan_op)
+        (_OPTIONAL_PLAN_OPS.add if backend.plan_is_optional else _OPTIONAL_PLAN_OPS.discard)(plan_op)
+        _DECODE_AND_PLAN_OPS.pop(plan_op, None)
         if backend.decode_and_plan_op() is not None:
             _DECODE_AND_PLAN_OPS[plan_op] = backend.decode_and_plan_op()
 
@@ -99,10 +103,10 @@ def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positi
             full[i] = value
         for i, value in zip(node_positions, tensors):
             full[i] = value
-        if op is None:
-            out, lse = backend.decode(*full)
-        else:
-            out, lse = op(*full, plan_op(*full) if plan_op is not None else [])
+        plan = plan_op(*full) if plan_op is not None and op is not None else []
+        if out_only is not None:
+            return out_only(*full, plan)
+        out, lse = backend.decode(*full) if op is None else op(*full, plan)
         return (out, lse) if with_lse else out
 
     return replacement
@@ -170,17 +174,23 @@ def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node) -> None:
     if decode_and_plan is None or not consumers:
         return
     first = consumers[0]
-    if any(user.target is not operator.getitem for user in first.users):
+    out_only = first.target in _OUT_ONLY_OPS
+    if not out_only and any(user.target is not operator.getitem for user in first.users):
         return
     eight = first.args[:len(DECODE_ARG_NAMES)]
     with graph.inserting_before(first):
         merged = graph.call_function(decode_and_plan, eight)
-    merged.meta["val"] = list(first.meta["val"]) + list(plan.meta["val"])
+    results = list(empty_decode_outputs(_fake(eight[0]))) if out_only else list(first.meta["val"])
+    merged.meta["val"] = results + list(plan.meta["val"])
     with graph.inserting_after(merged):
         items = {}
         for item in sorted(plan.users, key=lambda n: n.args[1], reverse=True):
             items[item] = graph.call_function(operator.getitem, (merged, 2 + item.args[1]))
             items[item].meta.update(item.meta)
+        if out_only:  # first -> getitem(merged, 0)
+            out = graph.call_function(operator.getitem, (merged, 0))
+            out.meta.update(first.meta)
+            first.replace_all_uses_with(out)
     for result in list(first.users):  # getitem(first, 0 | 1) -> getitem(merged, 0 | 1)
         result.args = (merged, result.args[1])
     graph.erase_node(first)

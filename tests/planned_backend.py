@@ -37,6 +37,18 @@ def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sp
     return empty_decode_outputs(q_nope)
 
 
+@torch.library.custom_op("mla_test::run_out", mutates_args=())
+def run_out(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor,
+            sparse_indices: Optional[torch.Tensor], plan: list[torch.Tensor]) -> torch.Tensor:
+    return run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan)[0]
+
+
+@run_out.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    return empty_decode_outputs(q_nope)[0]
+
+
 @torch.library.custom_op("mla_test::decode_and_plan", mutates_args=())
 def decode_and_plan(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor,
@@ -54,6 +66,7 @@ def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sp
 class PlannedBackend(Backend):
     name = "planned_test"
     plans_in_first_call = False  # tests switch on decode_and_plan_op
+    has_out_only = False  # and out_only_op
 
     def supports(self, problem, capability):
         return None
@@ -66,6 +79,9 @@ class PlannedBackend(Backend):
 
     def decode_and_plan_op(self):
         return torch.ops.mla_test.decode_and_plan.default if self.plans_in_first_call else None
+
+    def out_only_op(self):
+        return torch.ops.mla_test.run_out.default if self.has_out_only else None
 
     def decode(self, *args):
         return run(*args, plan(*args))

@@ -405,6 +405,20 @@ def test_fp8_marshalling_quantizes_the_query(provider):
     assert md.shape == (4, 8) and scale == x.softmax_scale and dv == 512
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
+def test_out_only_op_returns_the_decode_output(provider, fmt):
+    """``decode_out`` (the pass's op for calls without lse) gives ``decode``'s out, empty rows included,
+    with the epilogue only where the kernel leaves empty rows unzeroed (the FP8 extension)."""
+    provider(RecordingInterface(), RecordingFP8Ops())
+    x = make_decode_inputs([0, 1, 65], num_heads=2, q_per_seq=2, fmt=fmt, topk=8 if fmt == "fp8_ds_mla" else None)
+    out, _ = torch.ops.mla_flashmla.decode(*x.args(), [])
+    only = torch.ops.mla_flashmla.decode_out(*x.args(), [])
+    assert only.shape == out.shape and only.stride() == out.stride() and torch.equal(only, out)
+    assert bool((only[:2] == 0).all())  # seq_len 0 with Q=2: both rows of the first sequence see nothing
+    torch.library.opcheck(torch.ops.mla_flashmla.decode_out.default, (*x.args(), []),
+                          test_utils=("test_faketensor",) if fmt != "bf16" else ("test_schema", "test_faketensor"))
+
+
 def test_decode_op_opcheck(provider):
     provider(RecordingInterface())
     x = make_decode_inputs([1, 65], num_heads=2, q_per_seq=2)
@@ -523,6 +537,12 @@ def _two_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
     return a, b, lse
 
 
+def _two_layers_lse_first(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
+    b, lse = torch.ops.mla.paged_decode_with_lse(q1, p1, c1, block_table, seq_lens, scale, kv_scale)
+    a = torch.ops.mla.paged_decode(q2, p2, c2, block_table, seq_lens, scale, kv_scale)
+    return b, a, lse
+
+
 def _two_layer_inputs(seq_lens, H=16, Q=1, fmt="bf16"):
     x = make_decode_inputs(seq_lens, num_heads=H, q_per_seq=Q, fmt=fmt, device="cuda", seed=1)
     y = make_decode_inputs(seq_lens, num_heads=H, q_per_seq=Q, fmt=fmt, device="cuda", seed=2)
@@ -531,13 +551,13 @@ def _two_layer_inputs(seq_lens, H=16, Q=1, fmt="bf16"):
             x.softmax_scale, x.kv_scale]
 
 
-def _check_two_layers(args, result, tol, lse_tol=1e-3):
+def _check_two_layers(args, result, tol, lse_tol=1e-3, lse_layer=2):
     q1, p1, q2, p2, c1, c2, table, lens, scale, kv_scale = args
     r1 = paged_decode_reference(q1, p1, c1, table, lens, scale, kv_scale)
     r2 = paged_decode_reference(q2, p2, c2, table, lens, scale, kv_scale)
     assert relative_error(result[0], r1[0]) <= tol
     assert relative_error(result[1], r2[0]) <= tol
-    assert relative_error(result[2], r2[1]) <= lse_tol
+    assert relative_error(result[2], (r1 if lse_layer == 1 else r2)[1]) <= lse_tol
 
 
 @gpu
@@ -555,8 +575,16 @@ def test_gpu_compiled_calls_flashmla(fmt):
     assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
     assert code.count("mla_flashmla.decode.default(") == 1 and "mla_flashmla.plan.default(" not in code, code
     # fp8: the kernel also quantizes q (see test_gpu_dense_fp8_matches_reference for the bound)
-    _check_two_layers(args, result, TOLERANCE[torch.bfloat16] if fmt == "bf16" else FP8_QUERY_TOL,
-                      lse_tol=1e-3 if fmt == "bf16" else FP8_QUERY_LSE_TOL)
+    tol, lse_tol = (TOLERANCE[torch.bfloat16], 1e-3) if fmt == "bf16" else (FP8_QUERY_TOL, FP8_QUERY_LSE_TOL)
+    _check_two_layers(args, result, tol, lse_tol=lse_tol)
+    # A later call whose lse nobody reads gets the out-only op (no epilogue kernel for bf16).
+    torch._dynamo.reset()
+    _poison_allocator()
+    with mla_inductor.prefer_backends("flashmla"):
+        result, (code, *_) = run_and_get_code(torch.compile(_two_layers_lse_first, fullgraph=True), *args)
+    assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
+    assert code.count("mla_flashmla.decode_out.default(") == 1 and "mla_flashmla.decode.default(" not in code, code
+    _check_two_layers(args, result, tol, lse_tol=lse_tol, lse_layer=1)
 
 
 @gpu
@@ -568,11 +596,11 @@ def test_gpu_cuda_graph_replays_follow_seq_lens():
     lens = args[7]
     torch._dynamo.reset()
     with mla_inductor.prefer_backends("flashmla"):
-        step = torch.compile(_two_layers, mode="reduce-overhead", fullgraph=True)
+        step = torch.compile(_two_layers_lse_first, mode="reduce-overhead", fullgraph=True)
         for new_lens in ([300, 130, 64, 65], [1, 0, 63, 2], [257, 129, 30, 64], [0, 0, 0, 1], [300, 130, 64, 65]):
             lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-            result = step(*args)
-            _check_two_layers(args, [r.clone() for r in result], TOLERANCE[torch.bfloat16])
+            result = step(*args)  # layer 2 is the out-only op: its empty rows are the kernel's zeros
+            _check_two_layers(args, [r.clone() for r in result], TOLERANCE[torch.bfloat16], lse_layer=1)
     counters = torch._dynamo.utils.counters["inductor"]
     assert counters["cudagraph_skips"] == 0, dict(counters)
 
@@ -585,16 +613,21 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @needs_triton
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=[pytest.mark.gpu] if DEV == "cuda" else [])
                                    for d in (torch.bfloat16, torch.float16)])
-@pytest.mark.parametrize("shape", [(3, 2, 5, 576), (17, 1, 128, 576)], ids=["small", "large"])
-def test_fp8_query_kernel_matches_the_torch_quantization(dtype, shape):
+@pytest.mark.parametrize("shape,chunk", [((3, 2, 5, 576), None), ((17, 1, 128, 576), None), ((17, 1, 128, 576), 16)],
+                         ids=["small", "large", "large-chunked"])
+def test_fp8_query_kernel_matches_the_torch_quantization(dtype, shape, chunk, monkeypatch):
     """The Triton quantization (CUDA; interpreter without a GPU) vs quantize_query's torch path, in both
-    launch configurations (17280 and 1.25M values: several blocks and a partial one each)."""
+    launch configurations (17280 and 1.25M values: several blocks and a partial one each); "chunked"
+    makes the cast reduce the 153 partial maxima 16 at a time, with the amax in the last block."""
+    from mla_inductor.backends import fp8_query_kernel
     from mla_inductor.backends.fp8_query_kernel import SMALL, quantize_per_tensor_e4m3
 
+    if chunk:
+        monkeypatch.setattr(fp8_query_kernel, "PARTIALS_CHUNK", chunk)
     g = torch.Generator().manual_seed(11)
     q = (torch.randn(*shape, generator=g) * 3).to(dtype)
     assert (q.numel() <= SMALL) == (shape[0] == 3)
-    q[1, 0, 2, 7] = -40.0  # the amax, negative
+    q[-1 if chunk else 1, 0, -1 if chunk else 2, 7] = -40.0  # the amax, negative
     q8, descale = quantize_per_tensor_e4m3(q.to(DEV))
     assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape and descale.shape == (1,)
     assert float(descale) == pytest.approx(40.0 / 448, rel=1e-6)

@@ -153,11 +153,13 @@ def planned_backend(monkeypatch):
     backends.get_backend.cache_clear()
 
 
+@pytest.mark.parametrize("out_only", [False, True], ids=["run", "out_only"])
 @pytest.mark.parametrize("plans_in_first_call", [False, True], ids=["plan_op", "decode_and_plan"])
-def test_a_61_layer_forward_plans_once(planned_backend, plans_in_first_call, monkeypatch):
+def test_a_61_layer_forward_plans_once(planned_backend, plans_in_first_call, out_only, monkeypatch):
     import planned_backend as pb
 
     monkeypatch.setattr(pb.BACKEND, "plans_in_first_call", plans_in_first_call)
+    monkeypatch.setattr(pb.BACKEND, "has_out_only", out_only)
     layers = 61
     x = make_decode_inputs(seq_lens=[5, 17, 9], **SMALL)
     caches = [x.kv_cache.clone() for _ in range(layers)]
@@ -175,8 +177,32 @@ def test_a_61_layer_forward_plans_once(planned_backend, plans_in_first_call, mon
     assert relative_error(got, forward(*args)) < 1e-5
     runs, plans = code[0].count("torch.ops.mla_test.run.default("), code[0].count("torch.ops.mla_test.plan.default(")
     merged = code[0].count("torch.ops.mla_test.decode_and_plan.default(")
-    # With decode_and_plan the first layer makes the plan while decoding; no separate plan runs.
-    assert (runs, plans, merged) == ((layers - 1, 0, 1) if plans_in_first_call else (layers, 1, 0))
+    outs = code[0].count("torch.ops.mla_test.run_out.default(")
+    # With decode_and_plan the first layer makes the plan while decoding; no separate plan runs. Nothing
+    # reads paged_decode's lse, so a backend offering an out-only op gets it for every other layer.
+    later = (layers - 1, 0, 1) if plans_in_first_call else (layers, 1, 0)
+    assert (outs if out_only else runs, plans, merged) == later and (runs if out_only else outs) == 0
+
+
+def test_calls_reading_lse_keep_the_run_op(planned_backend, monkeypatch):
+    import planned_backend as pb
+
+    monkeypatch.setattr(pb.BACKEND, "has_out_only", True)
+    x = make_decode_inputs(seq_lens=[5, 17, 9], **SMALL)
+
+    def two_calls(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+        out, lse = torch.ops.mla.paged_decode_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+        return torch.ops.mla.paged_decode(out, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale), lse
+
+    args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends("planned_test"), fresh_cache():
+        got, code = run_and_get_code(torch.compile(two_calls, fullgraph=True), *args)
+    want = two_calls(*args)
+    assert relative_error(got[0], want[0]) < 1e-5 and relative_error(got[1], want[1]) < 1e-5
+    calls = [line for line in code[0].splitlines() if "= torch.ops.mla_test." in line]
+    assert [c.split("torch.ops.mla_test.")[1].split("(")[0] for c in calls] == ["plan.default", "run.default",
+                                                                               "run_out.default"], calls
 
 
 def test_unbacked_batch_sizes_serve_b1_to_256_in_one_frame():

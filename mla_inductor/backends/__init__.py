@@ -22,6 +22,9 @@ A backend answers three questions and does one thing:
   ``[out, lse, *plan]``: a decode that also returns the plan it made for itself. Where the plan is a
   by-product of the kernel call (FlashMLA's 2026 interface), the pass gives the first call of a forward
   this op and the later calls its plan, instead of running ``plan_op`` separately.
+- ``out_only_op()``: None, or an op with ``compiled_op``'s arguments returning only ``out`` (same shape and
+  strides). The pass puts it in place of ``mla.paged_decode``, whose lse nobody reads, where leaving the
+  lse out saves work (FlashMLA: its lse must be rewritten into the contract's layout by a kernel of its own).
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
 
@@ -70,6 +73,9 @@ class Backend:
         return None
 
     def decode_and_plan_op(self):
+        return None
+
+    def out_only_op(self):
         return None
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):

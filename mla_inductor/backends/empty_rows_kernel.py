@@ -10,6 +10,8 @@ layout into the contract's, so the whole epilogue is one launch. No host sync, C
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +20,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _finish_rows_kernel(OUT, LSE, COUNTS, SRC, ROW_NUMEL, H, Q, s_b, s_q, s_h,
+def _finish_rows_kernel(OUT, LSE, COUNTS, SRC, ROW_NUMEL, H, Q, s_b, s_q, s_h, HAS_LSE: tl.constexpr,
                         COPY_LSE: tl.constexpr, ZERO_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     empty = tl.load(COUNTS + row) == 0
@@ -27,7 +29,7 @@ def _finish_rows_kernel(OUT, LSE, COUNTS, SRC, ROW_NUMEL, H, Q, s_b, s_q, s_h,
         src = tl.load(SRC + (row // Q) * s_b + (row % Q) * s_q + h * s_h, mask=h < H, other=0.0)
         tl.store(LSE + row * H + h, tl.where(empty, float("-inf"), src), mask=h < H)
     if empty:
-        if not COPY_LSE:
+        if HAS_LSE and not COPY_LSE:
             tl.store(LSE + row * H + h, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h < H)
         if ZERO_OUT:
             for start in range(0, ROW_NUMEL, BLOCK):
@@ -36,21 +38,22 @@ def _finish_rows_kernel(OUT, LSE, COUNTS, SRC, ROW_NUMEL, H, Q, s_b, s_q, s_h,
                          mask=offs < ROW_NUMEL)
 
 
-def finish_rows(out: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor, lse_src: torch.Tensor = None,
-                zero_out: bool = True) -> None:
+def finish_rows(out: torch.Tensor, lse: Optional[torch.Tensor], counts: torch.Tensor,
+                lse_src: Optional[torch.Tensor] = None, zero_out: bool = True) -> None:
     """In place, one launch. ``lse_src`` [B, Q, H] (any strides, fp32): copied into ``lse`` [T = B*Q, H]
     first. Rows ``t`` with ``counts[t] == 0`` (a bool "sees anything" mask works too) get ``lse[t] = -inf``
     and, with ``zero_out``, ``out[t] = 0``. out [T, H, L] and lse [T, H] fp32 contiguous, as
-    ``contract.empty_decode_outputs`` makes them; all on one device."""
+    ``contract.empty_decode_outputs`` makes them; all on one device. ``lse`` None: only ``out`` is touched."""
     T, H, L = out.shape
     if T == 0:
         return
-    copy = lse_src is not None
-    src = lse_src if copy else lse
+    has_lse = lse is not None
+    copy = has_lse and lse_src is not None
+    src = lse_src if copy else out
     strides = lse_src.stride() if copy else (0, 0, 0)
     Q = lse_src.shape[1] if copy else 1
-    _finish_rows_kernel[(T,)](out, lse, counts, src, H * L, H, Q, *strides, COPY_LSE=copy, ZERO_OUT=zero_out,
-                              BLOCK=BLOCK, BLOCK_H=triton.next_power_of_2(H))
+    _finish_rows_kernel[(T,)](out, lse if has_lse else out, counts, src, H * L, H, Q, *strides, HAS_LSE=has_lse,
+                              COPY_LSE=copy, ZERO_OUT=zero_out, BLOCK=BLOCK, BLOCK_H=triton.next_power_of_2(H))
 
 
 def zero_empty_rows(out: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor) -> None:

@@ -314,10 +314,12 @@ def plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv
 
 
 def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                    plan) -> tuple[Tensor, Tensor, list[Tensor]]:
+                    plan, need_lse: bool = True) -> tuple[Tensor, Optional[Tensor], list[Tensor]]:
     """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32 natural log, the plan
     it ran with). With ``plan == []`` the call schedules itself and returns that schedule as a plan,
-    which later layers over the same block_table / seq_lens can reuse."""
+    which later layers over the same block_table / seq_lens can reuse. ``need_lse=False``: lse is None
+    and no epilogue runs where the kernel already zeroes the rows that see nothing (dense bf16/fp16,
+    sparse): out is then FlashMLA's own output, viewed."""
     mode, q, kcache, causal = _kernel_inputs(q_nope, q_pe, kv_cache, block_table, sparse_indices)
     provider = _require_provider()
     T, H, _ = q_nope.shape
@@ -335,18 +337,23 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
     out, lse, md, splits = provider.attend(mode, q, kcache, table, lens, softmax_scale, causal, indices, md, splits,
                                            q_descale, kv_scale if mode == "dense_fp8" else None)
     out = out.reshape(T, H, HEAD_DIM_V).to(q_nope.dtype)
+    plan = plan or [md, splits, valid] + tensors
+    zero_out = not KERNEL_ZEROES_EMPTY_ROWS[mode]
+    if not need_lse and not zero_out:
+        return out, None, plan
     # lse [B, H, Q] -> [T, H] with -inf for empty rows (and out 0 there where the kernel leaves garbage).
-    lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device)
+    lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device) if need_lse else None
     if out.is_cuda and out.is_contiguous():  # one launch; valid False reads as a count of 0
         from mla_inductor.backends.empty_rows_kernel import finish_rows
 
-        finish_rows(out, lse_out, valid, lse_src=lse.transpose(1, 2), zero_out=not KERNEL_ZEROES_EMPTY_ROWS[mode])
+        finish_rows(out, lse_out, valid, lse_src=lse.transpose(1, 2), zero_out=zero_out)
     else:
-        minus_inf = torch.full((), float("-inf"), dtype=torch.float32, device=lse.device)
-        torch.where(valid.view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
-        if not KERNEL_ZEROES_EMPTY_ROWS[mode]:
+        if need_lse:
+            minus_inf = torch.full((), float("-inf"), dtype=torch.float32, device=lse.device)
+            torch.where(valid.view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
+        if zero_out:
             out = out.masked_fill(~valid[:, None, None], 0)
-    return out, lse_out, plan or [md, splits, valid] + tensors
+    return out, lse_out, plan
 
 
 def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
@@ -432,6 +439,29 @@ def flashmla_decode(
 @flashmla_decode.register_fake
 def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
     return empty_decode_outputs(q_nope)
+
+
+@torch.library.custom_op("mla_flashmla::decode_out", mutates_args=())
+def flashmla_decode_out(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    softmax_scale: float,
+    kv_scale: Tensor,
+    sparse_indices: Optional[Tensor],
+    plan: list[Tensor],
+) -> Tensor:
+    """``mla_flashmla::decode`` for a call whose lse nobody reads (``mla.paged_decode``): out only, with no
+    epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse)."""
+    return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                           plan, need_lse=False)[0]
+
+
+@flashmla_decode_out.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    return empty_decode_outputs(q_nope)[0]
 
 
 @torch.library.custom_op("mla_flashmla::decode_and_plan", mutates_args=())
@@ -529,6 +559,9 @@ class FlashMLABackend(Backend):
 
     def decode_and_plan_op(self):
         return torch.ops.mla_flashmla.decode_and_plan.default
+
+    def out_only_op(self):
+        return torch.ops.mla_flashmla.decode_out.default
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])

@@ -3,8 +3,10 @@ fp8 with one descale (FlashMLA's dense FP8 decode).
 
 ``descale = max(amax(|q|) / 448, tiny)``, ``q8 = clamp(q / descale, ±448)`` in fp32 then e4m3. Eager
 torch needs a reduction, several scalar kernels and three elementwise passes for the same; each layer
-of a decode step pays it, so it is two Triton kernels here (an atomic-max reduction, then the scaled
-cast, which also writes the descale). No host sync, CUDA-graph safe.
+of a decode step pays it, so it is two Triton kernels here: each block of the first writes the max of
+its values to its own slot (no atomics, so no buffer to zero first: one launch fewer in the graph),
+and every block of the second reduces those partial maxima, then casts its values (block 0 also
+writes the descale). No host sync, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -24,17 +26,26 @@ def _launch_config(n: int) -> tuple[int, int]:
     return (2048, 4) if n <= SMALL else (8192, 8)
 
 
-@triton.jit
-def _absmax_kernel(X, AMAX, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
-    tl.atomic_max(AMAX, tl.max(tl.abs(x), axis=0))  # |x| >= 0: float atomic max is exact here
+PARTIALS_CHUNK = 1024  # partial maxima each block of the cast reads per step
 
 
 @triton.jit
-def _scaled_cast_kernel(X, Y, AMAX, DESCALE, N, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
+def _absmax_kernel(X, PARTIAL, N, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    descale = tl.maximum(tl.load(AMAX) / FP8_MAX, TINY)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(PARTIAL + pid, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def _scaled_cast_kernel(X, Y, PARTIAL, NUM_PARTIALS, DESCALE, N, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+                        BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    amax = tl.zeros((CHUNK,), dtype=tl.float32)
+    for start in range(0, NUM_PARTIALS, CHUNK):  # a few KB from L2, the same in every block
+        idx = start + tl.arange(0, CHUNK)
+        amax = tl.maximum(amax, tl.load(PARTIAL + idx, mask=idx < NUM_PARTIALS, other=0.0))
+    descale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, TINY)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
     y = tl.minimum(tl.maximum(x / descale, -FP8_MAX), FP8_MAX)
@@ -47,12 +58,13 @@ def quantize_per_tensor_e4m3(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """q (any shape, bf16/fp16/fp32) -> (float8_e4m3fn contiguous, same shape; descale fp32 [1])."""
     q = q.contiguous()
     n = q.numel()
-    amax = torch.zeros(1, dtype=torch.float32, device=q.device)
+    block, warps = _launch_config(n)
+    blocks = max(triton.cdiv(n, block), 1)
+    partial = torch.empty(blocks, dtype=torch.float32, device=q.device)
     descale = torch.empty(1, dtype=torch.float32, device=q.device)
     q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    block, warps = _launch_config(n)
-    grid = (max(triton.cdiv(n, block), 1),)
-    _absmax_kernel[grid](q, amax, n, BLOCK=block, num_warps=warps)
-    _scaled_cast_kernel[grid](q, q8, amax, descale, n, FP8_MAX=FP8_E4M3_MAX,
-                              TINY=torch.finfo(torch.float32).tiny, BLOCK=block, num_warps=warps)
+    _absmax_kernel[(blocks,)](q, partial, n, BLOCK=block, num_warps=warps)
+    _scaled_cast_kernel[(blocks,)](q, q8, partial, blocks, descale, n, FP8_MAX=FP8_E4M3_MAX,
+                                   TINY=torch.finfo(torch.float32).tiny, BLOCK=block, CHUNK=PARTIALS_CHUNK,
+                                   num_warps=warps)
     return q8, descale
