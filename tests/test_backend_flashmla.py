@@ -537,9 +537,11 @@ def _two_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
     return a, b, lse
 
 
-def _two_layers_lse_first(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
+def _chained_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
+    """Layer 2 reads layer 1's output, so layer 1 (with lse) comes first in any graph order and layer 2
+    (no lse) is the one handed the plan."""
     b, lse = torch.ops.mla.paged_decode_with_lse(q1, p1, c1, block_table, seq_lens, scale, kv_scale)
-    a = torch.ops.mla.paged_decode(q2, p2, c2, block_table, seq_lens, scale, kv_scale)
+    a = torch.ops.mla.paged_decode(b, p2, c2, block_table, seq_lens, scale, kv_scale)
     return b, a, lse
 
 
@@ -551,13 +553,13 @@ def _two_layer_inputs(seq_lens, H=16, Q=1, fmt="bf16"):
             x.softmax_scale, x.kv_scale]
 
 
-def _check_two_layers(args, result, tol, lse_tol=1e-3, lse_layer=2):
+def _check_two_layers(args, result, tol, lse_tol=1e-3, chained=False):
     q1, p1, q2, p2, c1, c2, table, lens, scale, kv_scale = args
     r1 = paged_decode_reference(q1, p1, c1, table, lens, scale, kv_scale)
-    r2 = paged_decode_reference(q2, p2, c2, table, lens, scale, kv_scale)
+    r2 = paged_decode_reference(result[0] if chained else q2, p2, c2, table, lens, scale, kv_scale)
     assert relative_error(result[0], r1[0]) <= tol
     assert relative_error(result[1], r2[0]) <= tol
-    assert relative_error(result[2], (r1 if lse_layer == 1 else r2)[1]) <= lse_tol
+    assert relative_error(result[2], (r1 if chained else r2)[1]) <= lse_tol
 
 
 @gpu
@@ -571,9 +573,11 @@ def test_gpu_compiled_calls_flashmla(fmt):
     torch._dynamo.reset()
     with mla_inductor.prefer_backends("flashmla"):
         result, (code, *_) = run_and_get_code(torch.compile(_two_layers, fullgraph=True), *args)
-    # The first layer makes the schedule while decoding and hands it to the second: no separate plan.
+    # The first layer (in graph order) makes the schedule while decoding and hands it to the second: no
+    # separate plan. The second is decode, or decode_out if it is the call without lse.
     assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
-    assert code.count("mla_flashmla.decode.default(") == 1 and "mla_flashmla.plan.default(" not in code, code
+    assert code.count("mla_flashmla.decode.default(") + code.count("mla_flashmla.decode_out.default(") == 1, code
+    assert "mla_flashmla.plan.default(" not in code, code
     # fp8: the kernel also quantizes q (see test_gpu_dense_fp8_matches_reference for the bound)
     tol, lse_tol = (TOLERANCE[torch.bfloat16], 1e-3) if fmt == "bf16" else (FP8_QUERY_TOL, FP8_QUERY_LSE_TOL)
     _check_two_layers(args, result, tol, lse_tol=lse_tol)
@@ -581,10 +585,10 @@ def test_gpu_compiled_calls_flashmla(fmt):
     torch._dynamo.reset()
     _poison_allocator()
     with mla_inductor.prefer_backends("flashmla"):
-        result, (code, *_) = run_and_get_code(torch.compile(_two_layers_lse_first, fullgraph=True), *args)
+        result, (code, *_) = run_and_get_code(torch.compile(_chained_layers, fullgraph=True), *args)
     assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
     assert code.count("mla_flashmla.decode_out.default(") == 1 and "mla_flashmla.decode.default(" not in code, code
-    _check_two_layers(args, result, tol, lse_tol=lse_tol, lse_layer=1)
+    _check_two_layers(args, result, tol, lse_tol=lse_tol, chained=True)
 
 
 @gpu
@@ -596,11 +600,11 @@ def test_gpu_cuda_graph_replays_follow_seq_lens():
     lens = args[7]
     torch._dynamo.reset()
     with mla_inductor.prefer_backends("flashmla"):
-        step = torch.compile(_two_layers_lse_first, mode="reduce-overhead", fullgraph=True)
+        step = torch.compile(_chained_layers, mode="reduce-overhead", fullgraph=True)
         for new_lens in ([300, 130, 64, 65], [1, 0, 63, 2], [257, 129, 30, 64], [0, 0, 0, 1], [300, 130, 64, 65]):
             lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
             result = step(*args)  # layer 2 is the out-only op: its empty rows are the kernel's zeros
-            _check_two_layers(args, [r.clone() for r in result], TOLERANCE[torch.bfloat16], lse_layer=1)
+            _check_two_layers(args, [r.clone() for r in result], TOLERANCE[torch.bfloat16], chained=True)
     counters = torch._dynamo.utils.counters["inductor"]
     assert counters["cudagraph_skips"] == 0, dict(counters)
 
