@@ -9,7 +9,7 @@ import mla_inductor
 from mla_inductor.backends import BACKEND_MODULES
 from mla_inductor.info import backend_matrix_markdown, example_problem, matrix_rows
 from mla_inductor.selection import BACKEND_ENV, TABLE, device_class, select_backend
-from triton_support import needs_triton
+from triton_support import TRITON_DEVICE, needs_triton, needs_triton_on_cpu
 
 EVERYTHING = {name: None for name in BACKEND_MODULES}
 SM90 = (9, 0)
@@ -112,7 +112,7 @@ def test_docs_backends_md_matches_select_backend():
 def test_autotune_picks_the_fastest_candidate_and_caches_it():
     from mla_inductor import autotune
 
-    problem = example_problem("cpu", "bf16", False, 2, 4)
+    problem = example_problem(TRITON_DEVICE, "bf16", False, 2, 4)
     problem = type(problem)(**{**problem.__dict__, "kv_lora_rank": 256, "rope_dim": 32, "topk": None})
     timings = iter([5.0, 1.0])  # reference, then triton
     calls = []
@@ -124,8 +124,9 @@ def test_autotune_picks_the_fastest_candidate_and_caches_it():
 
     sizes = {"batch": 2, "max_pages": 2, "num_pages": 6}
     with mla_inductor.prefer_backends("reference", "triton"):
-        winner = autotune.fastest_backend(problem, None, ["reference", "triton"], sizes, torch.device("cpu"), timer)
-        again = autotune.fastest_backend(problem, None, ["reference", "triton"], sizes, torch.device("cpu"), timer)
+        device = torch.device(TRITON_DEVICE)
+        winner = autotune.fastest_backend(problem, None, ["reference", "triton"], sizes, device, timer)
+        again = autotune.fastest_backend(problem, None, ["reference", "triton"], sizes, device, timer)
     assert winner == again == "triton" and len(calls) == 2, "the winner must be cached per problem and sizes"
     assert not autotune.autotune_enabled()
     with autotune.autotuning(True):
@@ -137,7 +138,14 @@ def test_backend_for_call_answers_from_the_arguments():
 
     x = make_decode_inputs([5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4)
     assert mla_inductor.backend_for_call(*x.args()).backend == "reference"
-    with mla_inductor.prefer_backends("triton"):
-        assert mla_inductor.backend_for_call(*x.args()).backend == "triton"
     with pytest.raises(ValueError, match="q_pe must be"):
         mla_inductor.backend_for_call(x.q_nope, x.q_pe[:1], *x.args()[2:])
+
+
+@needs_triton_on_cpu
+def test_backend_for_call_follows_a_preference_on_cpu():
+    from mla_inductor.testing import make_decode_inputs
+
+    x = make_decode_inputs([5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4)
+    with mla_inductor.prefer_backends("triton"):
+        assert mla_inductor.backend_for_call(*x.args()).backend == "triton"

@@ -20,7 +20,12 @@ def interpreter_active() -> bool:
     return isinstance(triton.language.standard.max, InterpretedFunction)
 
 
-TRITON_RUNS = HAS_CUDA or (interpreter_active() and INTERPRETER_OK)
+TRITON_ON_CPU = interpreter_active() and INTERPRETER_OK  # the interpreter, on CPU tensors
+TRITON_RUNS = HAS_CUDA or TRITON_ON_CPU
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"  # where a test gated by needs_triton runs its kernels
 needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs a GPU, or Triton >= 3.8's interpreter with "
                                   "TRITON_INTERPRET=1 set before triton is imported (tests/conftest.py does); "
                                   f"found triton {triton.__version__}")
+needs_triton_on_cpu = pytest.mark.skipif(not TRITON_ON_CPU, reason="runs Triton on CPU tensors: needs Triton >= 3.8's "
+                                         "interpreter, which tests/conftest.py selects only without a GPU; found "
+                                         f"triton {triton.__version__}, CUDA {'visible' if HAS_CUDA else 'absent'}")
