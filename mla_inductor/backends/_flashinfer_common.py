@@ -261,20 +261,24 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     if entry is None:
         entry = _WRAPPERS[key] = _PlannedWrapper(key)
     P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    # Everything the device computes is launched before the sync below, while the GPU is still busy with
+    # earlier work; after it the GPU idles until the host has planned. The page ids go straight into the
+    # wrapper's own buffer, so plan()'s copy into that buffer is a no-op (copy_ of a tensor onto itself).
+    kv_indices = entry.kv_indices[:key.num_indices]
     if sparse_indices is None:
         counts = dense_row_counts(seq_lens, key.qo_len)
         # Unused block-table entries may hold anything; clamped, a stray read stays inside the cache.
-        kv_indices = block_table.clamp(0, P - 1).reshape(-1)
-        # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided);
-        # its rows see nothing by the contract and are masked after the run.
+        torch.clamp(block_table.reshape(-1), 0, P - 1, out=kv_indices)
         kv_lens = seq_lens
     else:
-        kv_indices, counts = compact_sparse(sparse_indices, P * page_size)
-        kv_indices = kv_indices.reshape(-1)
+        compacted, counts = compact_sparse(sparse_indices, P * page_size)
+        kv_indices.copy_(compacted.reshape(-1))
         kv_lens = counts
+    # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided); its
+    # rows see nothing by the contract and are masked after the run.
+    kv_lens = kv_lens.clamp_min(1)
     # The plan's one device->host sync: the lengths (FlashInfer schedules on the host).
     entry.kv_lens_host.copy_(kv_lens)
-    entry.kv_lens_host.clamp_(min=1)
     entry.wrapper.plan(
         entry.qo_indptr_host, entry.kv_indptr_host, kv_indices, entry.kv_lens_host, key.num_heads, key.kv_lora_rank,
         key.rope_dim, key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
