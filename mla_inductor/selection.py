@@ -52,23 +52,23 @@ TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
     Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
         "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): compiled, per call in a "
-        "61-call CUDA-graph step, FA3 25.3 us vs FlashMLA 25.5 us (H=128 S=4096), 26.9 vs 28.8 us (H=16), "
+        "61-call CUDA-graph step, FA3 24.6 us vs FlashMLA 25.6 us (H=128 S=4096), 23.0 vs 28.7 us (H=16), "
         "docs/benchmarks.md section 2; FA3 was ahead in every run, by less once each call read its own cache",
         max_batch=1),
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
         "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins "
-        "on variable lengths (B=64 H=128 S<=8192: 229 vs 277 us for FA3) and is within 5% of FA3 on uniform "
-        "ones (B=64 H=128 S=4096: 148 vs 155 us; B=128 S=1024: 96 vs 95 us; B=64 H=64: 242 vs 232 us); it "
+        "on variable lengths (B=64 H=128 S<=8192: 229 vs 275 us for FA3) and is within 5% of FA3 on uniform "
+        "ones (B=64 H=128 S=4096: 146 vs 152 us; B=128 S=1024: 95 vs 96 us; B=64 H=64: 242 vs 238 us); it "
         "schedules on the device, where FA3 plans on the host with a sync every step. FA3 takes page sizes "
         "other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
-        "H100, compiled per call: FlashMLA-fp8 fastest (B=64 H=128: 126 us, q quantized per tensor on the "
-        "device, err ~3e-2); FlashInfer FA3 with an fp8 cache is slower than its own bf16 (514 us); our "
+        "H100, compiled per call: FlashMLA-fp8 fastest (B=64 H=128: 124 us, q quantized per tensor on the "
+        "device, err ~3e-2); FlashInfer FA3 with an fp8 cache is slower than its own bf16 (505 us); our "
         "Triton fp8 kernel keeps q in bf16 (err 2e-3, 366 us, docs/benchmarks.md section 1)"),
     Row("sm90", DS, False, ("triton", "reference"), "no library decodes the 656-byte layout densely"),
     Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
         "H100 sparse top-2048 on a bf16 cache: FlashInfer FA3 with page_size 1 (vLLM's SM90 recipe), compiled "
-        "per call 172 us at B=128 H=128 (docs/benchmarks.md section 2)"),
+        "per call 174 us at B=128 H=128 (docs/benchmarks.md section 2)"),
     Row("sm90", DS, True, ("flashmla", "triton", "reference"),
         "FlashMLA sparse decode reads the 656-byte layout directly: compiled per call 206 us at B=128 H=128 "
         "(docs/benchmarks.md section 2), 43% fewer bytes than bf16"),
