@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import time
 import traceback
@@ -113,7 +114,7 @@ def time_compiled(backend: str, calls: int, q, kv_cache, block_table, seq_lens, 
     ``backend`` (None: the table's choice)."""
     step, args, out = compile_calls(backend, calls, q, kv_cache, block_table, seq_lens, scale, kv_scale,
                                     sparse_indices)
-    ms = _bench(lambda: step(*args))
+    ms = _bench(functools.partial(step, *args))
     del step, args
     torch._dynamo.reset()  # frees the CUDA-graph pool and the cache copies before the next case
     torch.cuda.empty_cache()
