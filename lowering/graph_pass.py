@@ -11,25 +11,30 @@ import functools
 import hashlib
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch._inductor.config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
 import mla_inductor
-from mla_inductor.backends import availability, get_backend, library_versions
-from mla_inductor.contract import DecodeProblem, check_decode_args, empty_decode_outputs
+from mla_inductor._compat import is_placeholder_pass
 from mla_inductor.autotune import autotune_enabled, fastest_backend
+from mla_inductor.backends import availability, device_capability, get_backend, library_versions
+from mla_inductor.contract import DECODE_ARG_NAMES, DecodeProblem, check_decode_args, empty_decode_outputs
 from mla_inductor.selection import Selection, rank_backends, select_backend, user_preference
 
-log = logging.getLogger(__name__)
+from mla_inductor.lowering._compat import (
+    CustomGraphPass,
+    Match,
+    as_pass_list,
+    current_post_grad_pass,
+    hash_files,
+    pattern_pass,
+    set_post_grad_pass,
+)
 
-DECODE_ARG_NAMES = ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "softmax_scale", "kv_scale",
-                    "sparse_indices")
+log = logging.getLogger(__name__)
 _DECODE_OPS = {
     torch.ops.mla.paged_decode.default: False,  # op -> returns lse too
     torch.ops.mla.paged_decode_with_lse.default: True,
@@ -45,12 +50,6 @@ def _bind_decode_args(args: tuple, kwargs: dict) -> list[Any]:
 
 def _fake(value: Any) -> Any:
     return value.meta["val"] if isinstance(value, torch.fx.Node) else value
-
-
-def _capability(device: torch.device) -> Optional[tuple[int, int]]:
-    from mla_inductor.backends import device_capability
-
-    return device_capability(device)
 
 
 @dataclass(frozen=True)
@@ -78,24 +77,34 @@ def _log_decision(problem, capability, selection) -> None:
         log.info("mla.paged_decode %s on capability %s -> %s%s", problem, capability, selection.backend, skipped)
 
 
-_PLAN_OPS: set = set()  # plan ops the pass has inserted, for _share_plans
-_OPTIONAL_PLAN_OPS: set = set()  # of those, plans whose run op also accepts an empty plan
-_DECODE_AND_PLAN_OPS: dict = {}  # plan op -> op returning [out, lse, *plan] (the plan as a by-product)
-_OUT_ONLY_OPS: set = set()  # run ops returning out alone (for calls whose lse nobody reads)
+@dataclass
+class PlanOps:
+    """What the rewrite learned about the ops it put in the graph, for the plan-sharing phase after it."""
+
+    plans: set = field(default_factory=set)  # plan ops inserted
+    optional: set = field(default_factory=set)  # of those, plans whose run op also accepts an empty plan
+    decode_and_plan: dict = field(default_factory=dict)  # plan op -> op returning [out, lse, *plan]
+    out_only: set = field(default_factory=set)  # run ops returning out alone (calls whose lse nobody reads)
+
+    def note(self, backend, with_lse: bool) -> None:
+        """Record the ops of ``backend`` as the pass is about to use them (what it says now: a test may
+        change a backend's answers)."""
+        op, plan_op = backend.compiled_op(), backend.plan_op()
+        out_only = None if with_lse or op is None else backend.out_only_op()
+        if out_only is not None:
+            self.out_only.add(out_only)
+        if plan_op is not None:
+            self.plans.add(plan_op)
+            (self.optional.add if backend.plan_is_optional else self.optional.discard)(plan_op)
+            self.decode_and_plan.pop(plan_op, None)
+            if backend.decode_and_plan_op() is not None:
+                self.decode_and_plan[plan_op] = backend.decode_and_plan_op()
 
 
 def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
     """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
     op, plan_op = backend.compiled_op(), backend.plan_op()
     out_only = None if with_lse or op is None else backend.out_only_op()
-    if out_only is not None:
-        _OUT_ONLY_OPS.add(out_only)
-    if plan_op is not None:  # what the backend says now (a test may change a backend's answers)
-        _PLAN_OPS.add(plan_op)
-        (_OPTIONAL_PLAN_OPS.add if backend.plan_is_optional else _OPTIONAL_PLAN_OPS.discard)(plan_op)
-        _DECODE_AND_PLAN_OPS.pop(plan_op, None)
-        if backend.decode_and_plan_op() is not None:
-            _DECODE_AND_PLAN_OPS[plan_op] = backend.decode_and_plan_op()
 
     def replacement(*tensors):
         full = [None] * len(DECODE_ARG_NAMES)
@@ -125,12 +134,12 @@ def _plan_key(node: torch.fx.Node):
             softmax_scale, sparse)
 
 
-def _share_plans(graph: torch.fx.Graph) -> int:
+def _share_plans(graph: torch.fx.Graph, ops: PlanOps) -> int:
     """One plan per forward: later plan nodes equal to an earlier one are replaced by it. Returns how many."""
     first: dict = {}
     shared = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _PLAN_OPS:
+        if node.op != "call_function" or node.target not in ops.plans:
             continue
         key = _plan_key(node)
         if key in first:
@@ -140,8 +149,8 @@ def _share_plans(graph: torch.fx.Graph) -> int:
         else:
             first[key] = node
     for node in first.values():
-        if not _drop_single_use_plan(graph, node):
-            _plan_in_first_call(graph, node)
+        if not _drop_single_use_plan(graph, node, ops):
+            _plan_in_first_call(graph, node, ops)
     return shared
 
 
@@ -153,11 +162,11 @@ def _plan_consumers(plan: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
     return [n for n in plan.graph.nodes if n in consumers]
 
 
-def _drop_single_use_plan(graph: torch.fx.Graph, plan: torch.fx.Node) -> bool:
+def _drop_single_use_plan(graph: torch.fx.Graph, plan: torch.fx.Node, ops: PlanOps) -> bool:
     """A plan feeding one call only, of a backend that can schedule itself: hand that call [] instead.
     Returns whether it did."""
     consumers = _plan_consumers(plan)
-    if plan.target not in _OPTIONAL_PLAN_OPS or consumers is None or len(consumers) != 1:
+    if plan.target not in ops.optional or consumers is None or len(consumers) != 1:
         return False
     (run,) = consumers
     run.args = tuple([] if isinstance(a, (list, tuple)) and any(i in plan.users for i in a) else a
@@ -165,16 +174,16 @@ def _drop_single_use_plan(graph: torch.fx.Graph, plan: torch.fx.Node) -> bool:
     return True
 
 
-def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node) -> None:
+def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node, ops: PlanOps) -> None:
     """Where the backend's decode makes the plan as a by-product, the first call of the forward becomes
     ``decode_and_plan(<its 8 arguments>) -> [out, lse, *plan]`` and the later calls take that plan:
     the separate plan node (which would run an extra decode) goes away."""
-    decode_and_plan = _DECODE_AND_PLAN_OPS.get(plan.target)
+    decode_and_plan = ops.decode_and_plan.get(plan.target)
     consumers = _plan_consumers(plan)
     if decode_and_plan is None or not consumers:
         return
     first = consumers[0]
-    out_only = first.target in _OUT_ONLY_OPS
+    out_only = first.target in ops.out_only
     if not out_only and any(user.target is not operator.getitem for user in first.users):
         return
     eight = first.args[:len(DECODE_ARG_NAMES)]
@@ -200,20 +209,22 @@ def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node) -> None:
     graph.erase_node(plan)
 
 
-def _lower_decode_call(match: Match, *args, **kwargs) -> None:
+def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
     node = match.nodes[0]
     with_lse = _DECODE_OPS[node.target]
     bound = _bind_decode_args(args, kwargs)
     fake = [_fake(a) for a in bound]
     problem = check_decode_args(*fake)
-    capability = _capability(fake[0].device)
+    capability = device_capability(fake[0].device)
     selection = select_backend(problem, capability)
     if autotune_enabled() and fake[0].device.type == "cuda":
         selection = _autotuned(problem, capability, selection, fake)
     _log_decision(problem, capability, selection)
     node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
     constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
-    replacement = _replacement(get_backend(selection.backend), with_lse, constants, node_positions)
+    backend = get_backend(selection.backend)
+    ops.note(backend, with_lse)
+    replacement = _replacement(backend, with_lse, constants, node_positions)
     match.replace_by_example(replacement, [bound[i] for i in node_positions])
 
 
@@ -236,14 +247,6 @@ def _autotuned(problem, capability, selection, fake):
     return Selection(winner, selection.reasons + (f"autotune: {winner} measured faster than {selection.backend}",))
 
 
-@functools.cache
-def _decode_patterns() -> PatternMatcherPass:
-    patterns = PatternMatcherPass(pass_name="mla_inductor_lowering")
-    for op in _DECODE_OPS:
-        register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(_lower_decode_call)
-    return patterns
-
-
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"autotune={autotune_enabled()}",
@@ -254,11 +257,17 @@ def _environment_key() -> str:
     return "|".join(parts)
 
 
+def source_files() -> list[Path]:
+    """The sources that decide what the pass writes: the runtime package and the pass itself. Not the test
+    helpers (``mla_inductor/testing.py``), nor benchmarks, examples or tests, which live outside both."""
+    runtime = Path(mla_inductor.__file__).parent
+    files = {p for root in (runtime, Path(__file__).parent) for p in root.rglob("*.py")}
+    return sorted(files - {runtime / "testing.py"})
+
+
 @functools.cache
 def _source_hash() -> bytes:
-    roots = [Path(mla_inductor.__file__).parent, Path(__file__).parent]
-    files = sorted({p for root in roots for p in root.rglob("*.py")})
-    return get_hash_for_files(tuple(files))
+    return hash_files(source_files())
 
 
 class MLALoweringPass(CustomGraphPass):
@@ -270,19 +279,24 @@ class MLALoweringPass(CustomGraphPass):
 
     def __init__(self, previous: Optional[Any] = None):
         self.previous = previous  # the post-grad pass(es) the user had installed before us
+        self.plan_ops = PlanOps()
+        self._patterns = None
 
     def _previous_passes(self) -> list:
-        if self.previous is None:
-            return []
-        # torch >= 2.13 also accepts a list of passes here; 2.11 takes exactly one.
-        return list(self.previous) if isinstance(self.previous, (list, tuple)) else [self.previous]
+        return as_pass_list(self.previous)
+
+    def _decode_patterns(self):
+        if self._patterns is None:
+            self._patterns = pattern_pass("mla_inductor_lowering", _DECODE_OPS,
+                                          functools.partial(_lower_decode_call, self.plan_ops))
+        return self._patterns
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for previous in self._previous_passes():
             previous(graph)
         if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
-            _decode_patterns().apply(graph)
-            _share_plans(graph)
+            self._decode_patterns().apply(graph)
+            _share_plans(graph, self.plan_ops)
             graph.eliminate_dead_code()
 
     def uuid(self) -> Optional[Any]:
@@ -299,20 +313,24 @@ class MLALoweringPass(CustomGraphPass):
 
 
 def installed_pass() -> Optional[MLALoweringPass]:
-    current = inductor_config.post_grad_custom_post_pass
+    current = current_post_grad_pass()
     return current if isinstance(current, MLALoweringPass) else None
 
 
 def install() -> MLALoweringPass:
-    """Make our pass Inductor's post-grad custom pass (idempotent; keeps a user's pass, run first)."""
+    """Make our pass Inductor's post-grad custom pass (idempotent; keeps a user's pass, run first). It
+    takes the place of the placeholder ``import mla_inductor`` put there, if that is still there."""
     current = installed_pass()
     if current is None:
-        current = MLALoweringPass(previous=inductor_config.post_grad_custom_post_pass)
-        inductor_config.post_grad_custom_post_pass = current
+        previous = current_post_grad_pass()
+        if is_placeholder_pass(previous):
+            previous = previous.previous
+        current = MLALoweringPass(previous=previous)
+        set_post_grad_pass(current)
     return current
 
 
 def uninstall() -> None:
     current = installed_pass()
     if current is not None:
-        inductor_config.post_grad_custom_post_pass = current.previous
+        set_post_grad_pass(current.previous)

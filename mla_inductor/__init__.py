@@ -1,17 +1,30 @@
 """mla-inductor: DeepSeek-style MLA paged decode as a PyTorch op that torch.compile makes fast.
 
 ``import mla_inductor`` registers ``torch.ops.mla.paged_decode``, ``paged_decode_with_lse`` and
-``cache_append`` (CPU-only machines included; no CUDA initialisation, no optional library imported).
-``import mla_inductor.lowering`` also installs the Inductor pass that rewrites the calls into the best
-kernel for the device when a model is compiled.
+``cache_append`` and arranges for the Inductor pass (``mla_inductor.lowering``) to rewrite the calls
+into the best kernel for the device when a model is compiled. Nothing heavy happens at import: no
+Inductor, Triton, FlashInfer or transformers import and no CUDA initialisation; the pass is loaded
+by the first compile that reaches Inductor.
 """
 
+from mla_inductor import _compat
 from mla_inductor.cache import PagedLatentCache, cache_format, fp8_scale_for, pack_fp8_ds_mla, unpack_fp8_ds_mla
-from mla_inductor.contract import DecodeProblem, cache_append, paged_decode, paged_decode_with_lse
+from mla_inductor.contract import DecodeProblem
+from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.selection import backend_for_call, prefer_backends, select_backend
 
 __version__ = "0.1.0"
+
+
+def _load_lowering_pass():
+    """The one arrow up into the pass: imported (and installed) on the first compile that reaches Inductor."""
+    from mla_inductor.lowering import install
+
+    return install()
+
+
+_compat.install_post_grad_pass_on_first_compile(_load_lowering_pass)
 
 __all__ = [
     "DecodeProblem",

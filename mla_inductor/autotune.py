@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from mla_inductor.cache import encode_tokens, fp8_scale_for
 from mla_inductor.contract import DecodeProblem
 
 AUTOTUNE_ENV = "MLA_INDUCTOR_AUTOTUNE"
@@ -40,17 +41,26 @@ def autotuning(enabled: bool = True) -> Iterator[None]:
         _local.forced = previous
 
 
-def _timing_inputs(problem: DecodeProblem, sizes: dict, device: torch.device):
-    from mla_inductor.testing import make_decode_inputs
-
+def _timing_inputs(problem: DecodeProblem, sizes: dict, device: torch.device) -> tuple:
+    """The eight arguments of a call of these sizes: random values, every sequence at the block table's full
+    length (pages in order), sparse rows listing random slots of their sequence."""
     B, max_pages, num_pages = sizes["batch"], sizes["max_pages"], sizes["num_pages"]
-    page = problem.page_size
-    full = max_pages * page
-    spare = max(0, num_pages - B * max_pages)
-    return make_decode_inputs([full] * B, num_heads=problem.num_heads, q_per_seq=problem.q_per_seq or 1,
-                              kv_lora_rank=problem.kv_lora_rank, rope_dim=problem.rope_dim, page_size=page,
-                              fmt=problem.cache_format, q_dtype=problem.q_dtype, topk=problem.topk,
-                              spare_pages=spare, device=device)
+    page, L, R, H = problem.page_size, problem.kv_lora_rank, problem.rope_dim, problem.num_heads
+    T = B * (problem.q_per_seq or 1)
+    num_pages = max(num_pages, B * max_pages)
+    values = torch.randn(num_pages, page, L + R, device=device)
+    kv_scale = fp8_scale_for(values) if problem.cache_format == "fp8_e4m3" else torch.ones(1, device=device)
+    kv_cache = encode_tokens(values, problem.cache_format, kv_scale)
+    block_table = torch.arange(B * max_pages, dtype=torch.int32, device=device).view(B, max_pages)
+    seq_lens = torch.full((B,), max_pages * page, dtype=torch.int32, device=device)
+    q_nope = (torch.randn(T, H, L, device=device) * 0.5).to(problem.q_dtype)
+    q_pe = (torch.randn(T, H, R, device=device) * 0.5).to(problem.q_dtype)
+    sparse = None
+    if problem.sparse:
+        seq = torch.arange(T, device=device) // (problem.q_per_seq or 1)
+        offsets = torch.randint(0, max_pages * page, (T, problem.topk), device=device)
+        sparse = (seq[:, None] * max_pages * page + offsets).to(torch.int32)
+    return q_nope, q_pe, kv_cache, block_table, seq_lens, (L + R) ** -0.5, kv_scale, sparse
 
 
 def _median_ms(fn) -> float:
@@ -73,7 +83,7 @@ def fastest_backend(problem: DecodeProblem, capability, candidates: list[str], s
     for name in candidates:
         backend = get_backend(name)
         try:
-            times[name] = timer(lambda: backend.decode(*x.args()))
+            times[name] = timer(lambda: backend.decode(*x))
         except Exception:  # noqa: BLE001 - a backend that fails here is simply not the winner
             continue
     winner = min(times, key=times.get) if times else None

@@ -44,7 +44,7 @@ def _err(out, ref):
 
 def _ours(c, kind, config=None):
     """Closure running our kernel on a peers.make_case case; returns (fn, reference, bytes per token)."""
-    from mla_inductor.backends.triton_kernels import triton_paged_decode
+    from mla_inductor.kernels.decode import triton_paged_decode
 
     pm = _PEERS
     q = c["q"]
@@ -69,7 +69,7 @@ def _ours(c, kind, config=None):
 
 
 def _ours_sparse(c, kind, config=None):
-    from mla_inductor.backends.triton_kernels import triton_paged_decode
+    from mla_inductor.kernels.decode import triton_paged_decode
 
     pm = _PEERS
     q = c["q"]
@@ -228,7 +228,7 @@ def plot(results, path):
 # ----------------------------------------------------------------------------- tuning sweep
 def sweep(out_dir):
     """Time launch configs on the tuning shapes; prints one line per (shape, kind, config)."""
-    from mla_inductor.backends import triton_kernels as tk
+    from mla_inductor.kernels import decode as tk
 
     pm = _PEERS
     DC = tk.DecodeConfig

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mla_inductor._compat import mark_static_address
+
 FP8_E4M3_MAX = 448.0
 FP8_DS_MLA_TOKEN_BYTES = 656
 FP8_DS_MLA_LATENT = 512
@@ -182,7 +184,7 @@ class PagedLatentCache:
         # trees (mode="reduce-overhead") read them where they are instead of copying every cache into a
         # static buffer at each replay (hundreds of MB per layer).
         for t in (*kv_caches, *tensors.values()):
-            torch._dynamo.mark_static_address(t)
+            mark_static_address(t)
         return cls(
             kv_caches=kv_caches,
             **tensors,

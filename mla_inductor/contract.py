@@ -1,8 +1,10 @@
-"""The op contract: ``torch.ops.mla.paged_decode``, ``paged_decode_with_lse`` and ``cache_append``.
+"""The op contract of ``mla.paged_decode``, ``paged_decode_with_lse`` and ``cache_append``: what a call
+means and which arguments are valid. Pure: it registers nothing (``ops.py`` defines the ops on it).
 
-Each op's schema, fake (meta) implementation and docstring sit together here; the eager
-implementation validates its arguments and hands the call to the backend chosen for the device
-(``mla_inductor.backends``). ``docs/contract.md`` has the same semantics with a picture.
+``DecodeProblem`` is what a backend needs to know about a call; ``check_decode_args`` /
+``check_append_args`` validate arguments (eager, and fake tensors at compile time);
+``DECODE_ARGS_SCHEMA`` is the eight arguments every decode op, ours and each backend's, takes.
+``docs/contract.md`` has the same semantics with a picture.
 
 Shapes (T = B * Q query rows, Q new tokens per sequence, H heads, L = kv_lora_rank, R = rope dim):
 
@@ -30,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from mla_inductor._compat import check_value
 from mla_inductor.cache import (
     FP8_DS_MLA_LATENT,
     FP8_DS_MLA_ROPE,
@@ -40,6 +43,13 @@ from mla_inductor.cache import (
 Tensor = torch.Tensor
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEBUG_ENV = "MLA_INDUCTOR_DEBUG"
+
+# The eight arguments of every decode op (``mla.paged_decode(_with_lse)`` and each backend's run / plan ops),
+# as a torch.library schema: one definition instead of a hand-written signature per op.
+DECODE_ARG_NAMES = ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "softmax_scale", "kv_scale",
+                    "sparse_indices")
+DECODE_ARGS_SCHEMA = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+                      "float softmax_scale, Tensor kv_scale, Tensor? sparse_indices")
 
 
 @dataclass(frozen=True)
@@ -69,66 +79,66 @@ def _static_int(x) -> Optional[int]:
     return node.maybe_as_int() if node is not None and hasattr(node, "maybe_as_int") else None
 
 
-def _fail(op: str, exc: type[Exception], msg: str):
+def fail(op: str, exc: type[Exception], msg: str):
     raise exc(f"mla.{op}: {msg}")
 
 
 def _require(op: str, cond, msg: str) -> None:
     """ValueError(msg) unless ``cond``. A symbolic condition (sizes under torch.compile) is handed to
-    ``torch._check_value``: it holds as a guard for backed sizes and becomes a runtime assert for unbacked
+    ``_compat.check_value``: it holds as a guard for backed sizes and becomes a runtime assert for unbacked
     ones (``mark_unbacked`` batch sizes), where guarding on it would fail to compile."""
     if isinstance(cond, bool):
         if not cond:
-            _fail(op, ValueError, msg)
+            fail(op, ValueError, msg)
     else:
-        torch._check_value(cond, lambda: f"mla.{op}: {msg}")
+        check_value(cond, lambda: f"mla.{op}: {msg}")
 
 
 def _check_tensor(op, name, t, ndim, dims_desc):
     if not isinstance(t, torch.Tensor):
-        _fail(op, TypeError, f"{name} must be a torch.Tensor {dims_desc}, got {type(t).__name__}")
+        fail(op, TypeError, f"{name} must be a torch.Tensor {dims_desc}, got {type(t).__name__}")
     if t.dim() != ndim:
-        _fail(op, ValueError, f"{name} must be a {ndim}-D tensor {dims_desc}, got shape {tuple(t.shape)}")
+        fail(op, ValueError, f"{name} must be a {ndim}-D tensor {dims_desc}, got shape {tuple(t.shape)}")
 
 
 def _check_dtype(op, name, t, allowed, what):
     if t.dtype not in allowed:
-        _fail(op, TypeError, f"{name} must have dtype {what}, got {t.dtype}")
+        fail(op, TypeError, f"{name} must have dtype {what}, got {t.dtype}")
 
 
 def _check_device(op, name, t, device):
     if t.device != device:
-        _fail(op, ValueError, f"{name} must be on {device} like q_nope, got {t.device}")
+        fail(op, ValueError, f"{name} must be on {device} like q_nope, got {t.device}")
 
 
 def _check_last_dim_contiguous(op, name, t):
     if t.shape[-1] != 1 and t.stride(-1) != 1:
-        _fail(op, ValueError, f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+        fail(op, ValueError, f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
 
 def _check_cache_rows(op, kv_cache, L, R):
     try:
         fmt = cache_format(kv_cache)
     except TypeError as e:
-        _fail(op, TypeError, str(e))
+        fail(op, TypeError, str(e))
     if fmt == "fp8_ds_mla":
         if (L, R) != (FP8_DS_MLA_LATENT, FP8_DS_MLA_ROPE):
-            _fail(op, ValueError, f"a uint8 (fp8_ds_mla) kv_cache needs L=512 and R=64, got L={L}, R={R}")
+            fail(op, ValueError, f"a uint8 (fp8_ds_mla) kv_cache needs L=512 and R=64, got L={L}, R={R}")
         if kv_cache.shape[-1] != FP8_DS_MLA_TOKEN_BYTES:
-            _fail(op, ValueError, f"kv_cache in fp8_ds_mla format must be [P, page_size, 656] uint8, "
+            fail(op, ValueError, f"kv_cache in fp8_ds_mla format must be [P, page_size, 656] uint8, "
                   f"got shape {tuple(kv_cache.shape)}")
     elif kv_cache.shape[-1] != L + R:
-        _fail(op, ValueError, f"kv_cache must be [P, page_size, L+R={L + R}] (latent | rope), "
+        fail(op, ValueError, f"kv_cache must be [P, page_size, L+R={L + R}] (latent | rope), "
               f"got shape {tuple(kv_cache.shape)}")
     return fmt
 
 
 def _check_kv_scale(op, kv_scale, device):
     if not isinstance(kv_scale, torch.Tensor):
-        _fail(op, TypeError, f"kv_scale must be a float32 tensor with one element (1.0 unless the cache is "
+        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element (1.0 unless the cache is "
               f"fp8), got {type(kv_scale).__name__}")
     if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
-        _fail(op, TypeError, f"kv_scale must be a float32 tensor with one element, got dtype "
+        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element, got dtype "
               f"{kv_scale.dtype} and shape {tuple(kv_scale.shape)}")
     _check_device(op, "kv_scale", kv_scale, device)
 
@@ -145,7 +155,7 @@ def check_decode_args(
     device = q_nope.device
     _check_tensor(op, "q_pe", q_pe, 3, "[T, H, R]")
     if q_pe.dtype != q_nope.dtype:
-        _fail(op, TypeError, f"q_pe must have q_nope's dtype {q_nope.dtype}, got {q_pe.dtype}")
+        fail(op, TypeError, f"q_pe must have q_nope's dtype {q_nope.dtype}, got {q_pe.dtype}")
     _require(op, q_pe.shape[0] == T, f"q_pe must be [T={T}, H={H}, R] like q_nope, got shape {tuple(q_pe.shape)}")
     _require(op, q_pe.shape[1] == H, f"q_pe must be [T={T}, H={H}, R] like q_nope, got shape {tuple(q_pe.shape)}")
     R = q_pe.shape[2]
@@ -162,7 +172,7 @@ def check_decode_args(
     _require(op, T % B == 0, f"q_nope's T={T} must be a positive multiple of the batch size B={B} "
              f"(T = B * new tokens per sequence)")
     if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool):
-        _fail(op, TypeError, f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        fail(op, TypeError, f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     _check_kv_scale(op, kv_scale, device)
     topk = None
     if sparse_indices is not None:
@@ -195,7 +205,7 @@ def debug_checks_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
 
 
-def _wants_value_checks(t: Tensor) -> bool:
+def wants_value_checks(t: Tensor) -> bool:
     # Value checks read tensor data: free on CPU, a device sync on GPU, so GPUs do them on request only.
     return t.device.type == "cpu" or debug_checks_enabled()
 
@@ -207,86 +217,26 @@ def check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, spars
     capacity = block_table.shape[1] * page_size
     lens = seq_lens.long()
     if bool((lens < 0).any()) or bool((lens > capacity).any()):
-        _fail(op, ValueError, f"seq_lens must lie in [0, max_pages * page_size = {capacity}], got "
+        fail(op, ValueError, f"seq_lens must lie in [0, max_pages * page_size = {capacity}], got "
               f"min {int(lens.min())}, max {int(lens.max())}")
     used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page_size < lens[:, None]
     pages = block_table.long()[used]
     if pages.numel() and (bool((pages < 0).any()) or bool((pages >= P).any())):
-        _fail(op, ValueError, f"block_table entries of used pages must lie in [0, num_pages={P}), got "
+        fail(op, ValueError, f"block_table entries of used pages must lie in [0, num_pages={P}), got "
               f"min {int(pages.min())}, max {int(pages.max())}")
     if sparse_indices is not None:
         idx = sparse_indices.long()
         if idx.numel() and (bool((idx < -1).any()) or bool((idx >= P * page_size).any())):
-            _fail(op, ValueError, f"sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size}), "
+            fail(op, ValueError, f"sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size}), "
                   f"got min {int(idx.min())}, max {int(idx.max())}")
     if not bool(torch.isfinite(kv_scale).all()) or float(kv_scale.reshape(())) <= 0:
-        _fail(op, ValueError, f"kv_scale must be finite and positive, got {float(kv_scale.reshape(()))}")
-
-
-def _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, op):
-    problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                sparse_indices, op=op)
-    if _wants_value_checks(q_nope):
-        check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op)
-    # Imported here: backends import the contract, and the eager path is the only one that needs them.
-    from mla_inductor.backends import backend_for_eager
-
-    return backend_for_eager(problem, q_nope.device).decode(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices
-    )
+        fail(op, ValueError, f"kv_scale must be finite and positive, got {float(kv_scale.reshape(()))}")
 
 
 def empty_decode_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:
     """Outputs with the contract's shapes and strides: out [T, H, L] in q's dtype, lse [T, H] fp32."""
     T, H, L = q_nope.shape
     return q_nope.new_empty((T, H, L)), q_nope.new_empty((T, H), dtype=torch.float32)
-
-
-@torch.library.custom_op("mla::paged_decode_with_lse", mutates_args=())
-def paged_decode_with_lse(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    softmax_scale: float,
-    kv_scale: Tensor,
-    sparse_indices: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
-    """MLA paged decode returning ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``; see the module docstring."""
-    out, lse = _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                       "paged_decode_with_lse")
-    return out.contiguous(), lse.contiguous()
-
-
-@paged_decode_with_lse.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
-    check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                      op="paged_decode_with_lse")
-    return empty_decode_outputs(q_nope)
-
-
-@torch.library.custom_op("mla::paged_decode", mutates_args=())
-def paged_decode(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    softmax_scale: float,
-    kv_scale: Tensor,
-    sparse_indices: Optional[Tensor] = None,
-) -> Tensor:
-    """MLA paged decode: attention output ``[T, H, L]`` in q's dtype; see the module docstring."""
-    out, _ = _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                     "paged_decode")
-    return out.contiguous()
-
-
-@paged_decode.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
-    check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
-    return empty_decode_outputs(q_nope)[0]
 
 
 def check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale) -> str:
@@ -297,50 +247,28 @@ def check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale) -> str:
     N, L = kv_c.shape
     _check_tensor(op, "k_pe", k_pe, 2, "[N, R]")
     if k_pe.shape[0] != N:
-        _fail(op, ValueError, f"k_pe must be [N={N}, R] like kv_c, got shape {tuple(k_pe.shape)}")
+        fail(op, ValueError, f"k_pe must be [N={N}, R] like kv_c, got shape {tuple(k_pe.shape)}")
     _check_dtype(op, "k_pe", k_pe, QUERY_DTYPES, "float32, float16 or bfloat16")
     _check_tensor(op, "kv_cache", kv_cache, 3, "[P, page_size, L+R]")
     fmt = _check_cache_rows(op, kv_cache, L, k_pe.shape[1])
     if not kv_cache.is_contiguous():
-        _fail(op, ValueError, "kv_cache must be contiguous (cache_append writes whole token rows)")
+        fail(op, ValueError, "kv_cache must be contiguous (cache_append writes whole token rows)")
     _check_tensor(op, "slot_mapping", slot_mapping, 1, "[N]")
     _check_dtype(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64), "int32 or int64")
     if slot_mapping.shape[0] != N:
-        _fail(op, ValueError, f"slot_mapping must be [N={N}] (one slot per new token), got shape "
+        fail(op, ValueError, f"slot_mapping must be [N={N}] (one slot per new token), got shape "
               f"{tuple(slot_mapping.shape)}")
     _check_kv_scale(op, kv_scale, kv_cache.device)
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping)):
         if t.device != kv_cache.device:
-            _fail(op, ValueError, f"{name} must be on {kv_cache.device} like kv_cache, got {t.device}")
+            fail(op, ValueError, f"{name} must be on {kv_cache.device} like kv_cache, got {t.device}")
     return fmt
 
 
-@torch.library.custom_op("mla::cache_append", mutates_args=("kv_cache",))
-def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
-    """Write token i's ``[kv_c[i] | k_pe[i]]`` into flat slot ``slot_mapping[i]`` of ``kv_cache`` in place.
-
-    kv_cache [P, page_size, L+R] (or 656-byte fp8_ds_mla rows), kv_c [N, L], k_pe [N, R], slot_mapping [N]
-    int32/int64 with -1 = skip, kv_scale [1] fp32. fp8 caches are quantized (saturating at ±448);
-    fp8_ds_mla computes one scale per 128 latent values.
-    """
-    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+def check_append_values(kv_cache, slot_mapping) -> None:
+    """The check of cache_append that reads data: every slot is -1 or inside the cache."""
     capacity = kv_cache.shape[0] * kv_cache.shape[1]
-    if _wants_value_checks(slot_mapping):
-        slots = slot_mapping.long()
-        if slots.numel() and (bool((slots < -1).any()) or bool((slots >= capacity).any())):
-            _fail("cache_append", ValueError, f"slot_mapping must be -1 or a slot in [0, P * page_size = "
-                  f"{capacity}), got min {int(slots.min())}, max {int(slots.max())}")
-    if kv_cache.device.type == "cuda":
-        # A Triton program per token: no data-dependent shapes, so a decode step stays capturable.
-        from mla_inductor.cache_append_kernel import triton_cache_append
-
-        triton_cache_append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
-    else:
-        from mla_inductor.reference import cache_append_reference
-
-        cache_append_reference(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
-
-
-@cache_append.register_fake
-def _(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
-    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    slots = slot_mapping.long()
+    if slots.numel() and (bool((slots < -1).any()) or bool((slots >= capacity).any())):
+        fail("cache_append", ValueError, f"slot_mapping must be -1 or a slot in [0, P * page_size = "
+             f"{capacity}), got min {int(slots.min())}, max {int(slots.max())}")

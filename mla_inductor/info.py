@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from mla_inductor.backends import BACKEND_MODULES, availability, device_capability, library_versions
+from mla_inductor.backends import availability, device_capability, library_versions, registered_backends
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.selection import TABLE, select_backend
 
@@ -54,7 +54,7 @@ def backend_matrix_markdown() -> str:
     lines += ["", "First matching row wins. Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every "
               "library installed (batch 1 listed where it differs):", "",
               "| device | cache | sparse | H | page | B | backend | passed over |", "|---|---|---|---|---|---|---|---|"]
-    everything = {name: None for name in BACKEND_MODULES}
+    everything = {name: None for name in registered_backends()}
     for dev, fmt, sparse, heads, page, batch, chosen, reasons in matrix_rows(everything):
         lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {batch} | {chosen} | "
                      f"{'; '.join(reasons) or '—'} |")

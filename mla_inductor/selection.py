@@ -2,6 +2,7 @@
 
 ``select_backend`` is a pure function of the call's ``DecodeProblem``, the device's compute capability,
 what is installed and the user's preference; the Inductor pass and the eager path both ask it.
+``backend_for_append`` picks the writer of ``mla.cache_append`` the same way, from ``APPEND_ORDER``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
-from mla_inductor.contract import DecodeProblem
+import torch
+
+from mla_inductor import backends
+from mla_inductor.backends import Backend
+from mla_inductor.contract import DecodeProblem, check_decode_args
 
 BACKEND_ENV = "MLA_INDUCTOR_BACKEND"
 _local = threading.local()
@@ -46,36 +51,33 @@ DS = ("fp8_ds_mla",)
 FP32 = ("fp32",)
 
 # First matching row wins; each backend's supports() then filters (page size, heads, Q, ...), and the
-# reference closes every row so a call always runs. Numbers are from ../shared/peers-h100.txt (H100).
+# reference closes every row so a call always runs. The measurements behind each row: docs/benchmarks.md.
 TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
     Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
-        "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): compiled, per call in a "
-        "61-call CUDA-graph step, FA3 24.6 us vs FlashMLA 25.6 us (H=128 S=4096), 23.0 vs 28.7 us (H=16), "
-        "docs/benchmarks.md section 2; FA3 was ahead in every run, by less once each call read its own cache",
+        "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
+        "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",
         max_batch=1),
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
-        "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins "
-        "on variable lengths (B=64 H=128 S<=8192: 229 vs 275 us for FA3) and is within 5% of FA3 on uniform "
-        "ones (B=64 H=128 S=4096: 146 vs 152 us; B=128 S=1024: 95 vs 96 us; B=64 H=64: 242 vs 238 us); it "
-        "schedules on the device, where FA3 plans on the host with a sync every step. FA3 takes page sizes "
-        "other than 64"),
+        "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins on "
+        "variable lengths and is within 5% of FlashInfer FA3 on uniform ones; it schedules on the device, "
+        "where FA3 plans on the host with a sync every step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
-        "H100, compiled per call: FlashMLA-fp8 fastest (B=64 H=128: 124 us, q quantized per tensor on the "
-        "device, err ~3e-2); FlashInfer FA3 with an fp8 cache is slower than its own bf16 (505 us); our "
-        "Triton fp8 kernel keeps q in bf16 (err 2e-3, 366 us, docs/benchmarks.md section 1)"),
+        "H100, compiled per call: FlashMLA-fp8 fastest (q quantized per tensor on the device, so a larger "
+        "error); FlashInfer FA3 with an fp8 cache is slower than its own bf16; our Triton fp8 kernel keeps q "
+        "in bf16 (docs/benchmarks.md sections 1 and 2)"),
     Row("sm90", DS, False, ("triton", "reference"), "no library decodes the 656-byte layout densely"),
     Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
-        "H100 sparse top-2048 on a bf16 cache: FlashInfer FA3 with page_size 1 (vLLM's SM90 recipe), compiled "
-        "per call 174 us at B=128 H=128 (docs/benchmarks.md section 2)"),
+        "H100 sparse top-k on a bf16 cache: FlashInfer FA3 with page_size 1 (vLLM's SM90 recipe), "
+        "docs/benchmarks.md section 2"),
     Row("sm90", DS, True, ("flashmla", "triton", "reference"),
-        "FlashMLA sparse decode reads the 656-byte layout directly: compiled per call 206 us at B=128 H=128 "
-        "(docs/benchmarks.md section 2), 43% fewer bytes than bf16"),
+        "FlashMLA sparse decode reads the 656-byte layout directly, 43% fewer bytes than bf16 "
+        "(docs/benchmarks.md section 2)"),
     Row("sm100", BF16 + FP8, False, ("flashinfer_trtllm", "flashinfer_fa2", "triton", "reference"),
-        "Blackwell datacenter: trtllm-gen MLA is FlashInfer's and vLLM's default on SM100"),
+        "Blackwell datacenter: trtllm-gen MLA is FlashInfer's and vLLM's default on SM100 (untested on SM100)"),
     Row("sm100", BF16 + FP8, True, ("flashinfer_trtllm", "triton", "reference"),
-        "trtllm-gen sparse top-k (vLLM's SM100 sparse path)"),
+        "trtllm-gen sparse top-k (vLLM's SM100 sparse path; untested on SM100)"),
     Row("sm100", DS, True, ("flashmla", "triton", "reference"), "FlashMLA sparse decode supports SM100"),
     Row("sm120", BF16, False, ("flashinfer_fa2", "triton", "reference"), "consumer Blackwell: FA2 for bf16 (seed)"),
     Row("sm120", FP8, False, ("triton", "flashinfer_xqa", "reference"),
@@ -114,11 +116,10 @@ def user_preference() -> Optional[tuple[str, ...]]:
 @contextlib.contextmanager
 def prefer_backends(*names: str) -> Iterator[None]:
     """Use these backends, in this order, for calls made (eager) or compiled inside the block."""
-    from mla_inductor.backends import BACKEND_MODULES
-
-    unknown = [n for n in names if n not in BACKEND_MODULES]
+    known = backends.registered_backends()
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ValueError(f"prefer_backends needs known backend names, got {names}; known: {sorted(BACKEND_MODULES)}")
+        raise ValueError(f"prefer_backends needs known backend names, got {names}; known: {sorted(known)}")
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(tuple(names))
     try:
@@ -137,19 +138,18 @@ def rank_backends(
     """Every backend in the order tried (the user's preference if any, else the table's), each with None
     if it can run the call or the reason it cannot. ``available`` maps backend name -> None or why it is
     unavailable (default: probe the installed libraries)."""
-    from mla_inductor.backends import BACKEND_MODULES, availability, get_backend
-
-    available = availability() if available is None else available
+    known = backends.registered_backends()
+    available = backends.availability() if available is None else available
     preference = user_preference() if preference is None else preference
     if preference:
-        unknown = [n for n in preference if n not in BACKEND_MODULES]
+        unknown = [n for n in preference if n not in known]
         if unknown:
             raise ValueError(f"unknown MLA backend(s) {unknown} in the preference (${BACKEND_ENV} or "
-                             f"prefer_backends); known: {sorted(BACKEND_MODULES)}")
+                             f"prefer_backends); known: {sorted(known)}")
     ranked = []
     for name in list(preference) if preference else table_order(problem, capability):
-        why = available.get(name, "not installed") if name in BACKEND_MODULES else "not registered"
-        ranked.append((name, why if why is not None else get_backend(name).supports(problem, capability)))
+        why = available.get(name, "not installed") if name in known else "not registered"
+        ranked.append((name, why if why is not None else backends.get_backend(name).supports(problem, capability)))
     return ranked
 
 
@@ -176,9 +176,30 @@ def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     """The backend a ``mla.paged_decode`` call with these arguments gets (eager, and compiled: the pass
     asks the same question). Unlike ``mla_inductor.lowering.decisions()``, it answers also when the
     compiled graph came from Inductor's cache. Only shapes, dtypes and devices are read."""
-    from mla_inductor.backends import device_capability
-    from mla_inductor.contract import check_decode_args
-
     problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                 sparse_indices)
-    return select_backend(problem, device_capability(q_nope.device))
+    return select_backend(problem, backends.device_capability(q_nope.device))
+
+
+def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
+    """The backend an eager call runs on (the same choice as the compiler's)."""
+    return backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
+
+
+# Who writes new tokens into a cache (``mla.cache_append``): the first that is available and can write
+# on the device. Our Triton kernel on CUDA (no host sync, so decode steps capture in CUDA graphs), the
+# reference elsewhere.
+APPEND_ORDER: tuple[str, ...] = ("triton", "reference")
+
+
+def backend_for_append(device: torch.device) -> Backend:
+    """The backend whose ``append`` writes ``mla.cache_append`` calls on this device."""
+    capability = backends.device_capability(device)
+    reasons = []
+    for name in APPEND_ORDER:
+        backend = backends.get_backend(name)
+        why = backend.unavailable_reason() or backend.append_supports(device.type, capability)
+        if why is None:
+            return backend
+        reasons.append(f"{name}: {why}")
+    raise RuntimeError(f"no MLA backend can write a cache on {device}: " + "; ".join(reasons))

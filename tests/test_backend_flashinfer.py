@@ -478,7 +478,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def test_finish_rows_touches_only_empty_rows(dtype, Q, copy_lse, zero_out):
     """The Triton epilogue (CUDA; the interpreter without a GPU) vs torch: lse copied from a [B, H, Q]
     kernel layout, -inf and (optionally) out 0 on rows that see nothing, other rows of out untouched."""
-    from mla_inductor.backends.empty_rows_kernel import finish_rows
+    from mla_inductor.kernels.empty_rows import finish_rows
 
     g = torch.Generator().manual_seed(5)
     B, H, L = 4, 5, 1100  # L * H spans several blocks, H is not a power of two

@@ -623,8 +623,8 @@ def test_fp8_query_kernel_matches_the_torch_quantization(dtype, shape, chunk, mo
     """The Triton quantization (CUDA; interpreter without a GPU) vs quantize_query's torch path, in both
     launch configurations (17280 and 1.25M values: several blocks and a partial one each); "chunked"
     makes the cast reduce the 153 partial maxima 16 at a time, with the amax in the last block."""
-    from mla_inductor.backends import fp8_query_kernel
-    from mla_inductor.backends.fp8_query_kernel import SMALL, quantize_per_tensor_e4m3
+    from mla_inductor.kernels import fp8_query as fp8_query_kernel
+    from mla_inductor.kernels.fp8_query import SMALL, quantize_per_tensor_e4m3
 
     if chunk:
         monkeypatch.setattr(fp8_query_kernel, "PARTIALS_CHUNK", chunk)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mla_inductor.cache import decode_tokens, encode_tokens
-from mla_inductor.cache_append_kernel import triton_cache_append
+from mla_inductor.kernels.cache_append import triton_cache_append
 from mla_inductor.reference import cache_append_reference
 from mla_inductor.testing import relative_error
 from triton_support import needs_triton

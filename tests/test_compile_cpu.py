@@ -147,10 +147,9 @@ def test_pass_is_installed_and_keeps_a_user_pass():
 def planned_backend(monkeypatch):
     from mla_inductor import backends
 
-    monkeypatch.setitem(backends.BACKEND_MODULES, "planned_test", "planned_backend")
-    backends.get_backend.cache_clear()
+    backends.register_backend("planned_test", "planned_backend")
     yield
-    backends.get_backend.cache_clear()
+    backends.unregister_backend("planned_test")
 
 
 @pytest.mark.parametrize("out_only", [False, True], ids=["run", "out_only"])

@@ -16,14 +16,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 import mla_inductor
-from mla_inductor.backends import BACKEND_MODULES, get_backend
+from mla_inductor.backends import get_backend, registered_backends
 from mla_inductor.backends import flashmla
 from mla_inductor.info import example_problem
 from mla_inductor.selection import select_backend
 
 CAPABILITIES = {"SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
 FORMATS = {"bf16": (torch.bfloat16, 576), "fp8_e4m3": (torch.float8_e4m3fn, 576), "fp8_ds_mla": (torch.uint8, 656)}
-EVERYTHING = {name: None for name in BACKEND_MODULES}
+EVERYTHING = {name: None for name in registered_backends()}
 T, H, PAGES, TOPK = 4, 128, 8, 2048
 
 
@@ -75,7 +75,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(flashmla, "metadata_shape", lambda *args: (132, 8))  # measured on the GPU otherwise
 
     def use(capability):
-        monkeypatch.setattr(graph_pass, "_capability", lambda device: capability)
+        monkeypatch.setattr(graph_pass, "device_capability", lambda device: capability)
     return use
 
 
@@ -118,7 +118,7 @@ def test_the_cells_reach_every_backend_but_xqa():
     """Every backend is some cell's choice except XQA (a fallback), whose rewrite is checked below."""
     chosen = {select_backend(example_problem("cuda", fmt, sparse, H, 64, batch=T), CAPABILITIES[cap],
                              available=EVERYTHING, preference=()).backend for cap, fmt, sparse in CELLS}
-    assert chosen == set(BACKEND_MODULES) - {"flashinfer_xqa"}
+    assert chosen == set(registered_backends()) - {"flashinfer_xqa"}
 
 
 @pytest.mark.parametrize("backend,cap,fmt", [

@@ -16,8 +16,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 import triton  # noqa: E402
 
-from mla_inductor.backends import triton_kernels as tk  # noqa: E402
-from mla_inductor.backends.triton_kernels import DecodeConfig, triton_paged_decode  # noqa: E402
+from mla_inductor.kernels import decode as tk  # noqa: E402
+from mla_inductor.kernels.decode import DecodeConfig, triton_paged_decode  # noqa: E402
 from triton_support import INTERPRETER_OK, interpreter_active  # noqa: E402
 
 

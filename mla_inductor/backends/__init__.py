@@ -27,22 +27,29 @@ A backend answers three questions and does one thing:
   lse out saves work (FlashMLA: its lse must be rewritten into the contract's layout by a kernel of its own).
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
+- ``append_supports(device_type, capability)`` / ``append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)``:
+  optional; a backend that writes caches (``mla.cache_append``) says where it can and does it.
+
+Backends are found by name in a registry: the built-in ones below, and any added with
+``register_backend(name, backend_or_module)`` (a ``Backend`` object, or the import path of a module
+defining ``BACKEND``): adding a backend is one new file, plus, optionally, rows of ``selection.TABLE``
+that rank it (or ``prefer_backends`` / ``$MLA_INDUCTOR_BACKEND`` naming it). Helpers the backends share
+(cache rows, fp8 queries, the op signature) are in ``_common``.
 
 Backend modules import their libraries lazily, so ``import mla_inductor`` needs none of them.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from mla_inductor.contract import DecodeProblem
 
-# name -> module defining BACKEND; order does not matter here, the selection table decides.
-BACKEND_MODULES = {
+# name -> a Backend, or the module defining BACKEND (imported on first use); the selection table ranks them.
+_REGISTRY: dict[str, Union[str, "Backend"]] = {
     "reference": "mla_inductor.backends.reference",
     "triton": "mla_inductor.backends.triton",
     "flashinfer_fa2": "mla_inductor.backends.flashinfer_fa2",
@@ -51,6 +58,7 @@ BACKEND_MODULES = {
     "flashinfer_xqa": "mla_inductor.backends.flashinfer_xqa",
     "flashmla": "mla_inductor.backends.flashmla",
 }
+_LOADED: dict[str, "Backend"] = {}
 
 
 class Backend:
@@ -81,18 +89,46 @@ class Backend:
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         raise NotImplementedError
 
+    def append_supports(self, device_type: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
+        return "does not write caches"
 
-@functools.cache
+    def append(self, kv_cache, kv_c, k_pe, slot_mapping, kv_scale) -> None:
+        raise NotImplementedError
+
+
+def register_backend(name: str, backend: Union[str, Backend]) -> None:
+    """Make a backend known under ``name``: a ``Backend`` object, or the import path of a module defining
+    ``BACKEND`` (imported on first use). Replaces an earlier registration of the name."""
+    if not isinstance(backend, (str, Backend)):
+        raise TypeError(f"register_backend needs a Backend or a module path, got {type(backend).__name__}")
+    _REGISTRY[name] = backend
+    _LOADED.pop(name, None)
+
+
+def unregister_backend(name: str) -> None:
+    """Forget a backend added with ``register_backend`` (built-in ones included)."""
+    _REGISTRY.pop(name, None)
+    _LOADED.pop(name, None)
+
+
+def registered_backends() -> tuple[str, ...]:
+    """Names of every known backend."""
+    return tuple(_REGISTRY)
+
+
 def get_backend(name: str) -> Backend:
-    if name not in BACKEND_MODULES:
-        raise ValueError(f"unknown MLA backend {name!r}; known: {', '.join(sorted(BACKEND_MODULES))}")
-    return importlib.import_module(BACKEND_MODULES[name]).BACKEND
+    if name not in _LOADED:
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown MLA backend {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+        entry = _REGISTRY[name]
+        _LOADED[name] = entry if isinstance(entry, Backend) else importlib.import_module(entry).BACKEND
+    return _LOADED[name]
 
 
 def availability() -> dict[str, Optional[str]]:
     """Each known backend's ``unavailable_reason()`` (None = usable), a broken import reported as a reason."""
     result = {}
-    for name in BACKEND_MODULES:
+    for name in _REGISTRY:
         try:
             result[name] = get_backend(name).unavailable_reason()
         except Exception as e:  # noqa: BLE001 - a backend that cannot even import is simply unavailable
@@ -103,7 +139,7 @@ def availability() -> dict[str, Optional[str]]:
 def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
     """Version of every library a known backend draws on (plus ``extra``); None where it does not import."""
     names = dict.fromkeys(extra)
-    for name in BACKEND_MODULES:
+    for name in _REGISTRY:
         try:
             names.update(dict.fromkeys(get_backend(name).libraries))
         except Exception:  # noqa: BLE001 - a backend that cannot import has no libraries to report
@@ -122,10 +158,3 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)
-
-
-def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
-    """The backend an eager call runs on (same choice as the compiler would make)."""
-    from mla_inductor.selection import select_backend
-
-    return get_backend(select_backend(problem, device_capability(device)).backend)

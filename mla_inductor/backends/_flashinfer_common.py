@@ -154,7 +154,7 @@ def mask_empty_rows(out: Tensor, lse: Tensor, counts: Tensor) -> None:
     """Rows that see no key get out 0 and lse -inf, whatever the kernel wrote (in place, on device).
     On CUDA a Triton kernel touches only the empty rows (a masked_fill would rewrite all of ``out``)."""
     if out.is_cuda and out.is_contiguous() and lse.is_contiguous():
-        from mla_inductor.backends.empty_rows_kernel import zero_empty_rows
+        from mla_inductor.kernels.empty_rows import zero_empty_rows
 
         zero_empty_rows(out, lse, counts)
         return

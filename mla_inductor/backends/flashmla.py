@@ -265,7 +265,7 @@ def quantize_query(q: Tensor) -> tuple[Tensor, Tensor]:
     """q [..., 576] -> (float8_e4m3fn contiguous copy, descale fp32 [1]) with one scale per tensor
     (``amax / 448``), all on the device: two Triton kernels on CUDA (``fp8_query_kernel``), torch elsewhere."""
     if q.is_cuda:
-        from mla_inductor.backends.fp8_query_kernel import quantize_per_tensor_e4m3
+        from mla_inductor.kernels.fp8_query import quantize_per_tensor_e4m3
 
         return quantize_per_tensor_e4m3(q)
     amax = torch.linalg.vector_norm(q, ord=float("inf")).float()
@@ -344,7 +344,7 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
     # lse [B, H, Q] -> [T, H] with -inf for empty rows (and out 0 there where the kernel leaves garbage).
     lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device) if need_lse else None
     if out.is_cuda and out.is_contiguous():  # one launch; valid False reads as a count of 0
-        from mla_inductor.backends.empty_rows_kernel import finish_rows
+        from mla_inductor.kernels.empty_rows import finish_rows
 
         finish_rows(out, lse_out, valid, lse_src=lse.transpose(1, 2), zero_out=zero_out)
     else:

@@ -1,7 +1,8 @@
-"""Our Triton MLA decode kernels (``triton_kernels.py``) as a backend: the FP8-KV and portable path.
+"""Our Triton MLA decode kernel (``kernels/decode.py``) as a backend: the FP8-KV and portable path.
 
 Runs on any CUDA GPU Triton supports (fp8 caches from SM89, where e4m3 has hardware conversions) and,
-under ``TRITON_INTERPRET=1``, on CPU tensors (that is how CI tests the kernels).
+under ``TRITON_INTERPRET=1``, on CPU tensors (that is how CI tests the kernels). It also writes caches on
+CUDA (``kernels/cache_append.py``: a program per token, no host sync, so a decode step stays capturable).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def triton_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla.paged_decode_with_lse`` on our Triton kernels (``plan`` is unused: the split count is chosen
     from static shapes, so nothing is planned per step)."""
-    from mla_inductor.backends.triton_kernels import triton_paged_decode
+    from mla_inductor.kernels.decode import triton_paged_decode
 
     return triton_paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                sparse_indices)
@@ -80,6 +81,14 @@ class TritonBackend(Backend):
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return triton_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                              sparse_indices, [])
+
+    def append_supports(self, device_type, capability):
+        return None if device_type == "cuda" else f"writes caches on CUDA only, got {device_type}"
+
+    def append(self, kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
+        from mla_inductor.kernels.cache_append import triton_cache_append
+
+        triton_cache_append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 BACKEND = TritonBackend()

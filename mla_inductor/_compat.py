@@ -1,0 +1,125 @@
+"""The only runtime module that names private torch APIs (``lowering/_compat.py`` fences Inductor's).
+
+Each name here is one private API (or one that differs between the torch releases we support, 2.11
+through 2.14) behind a small function, so a torch upgrade that moves one is mended in one place.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Callable
+
+import torch
+
+# torch.Tag.cudagraph_unsafe: ops carrying it are run outside CUDA-graph partitions (absent on older torch).
+CUDAGRAPH_UNSAFE_TAGS: tuple = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+def check_value(cond, message: Callable[[], str]) -> None:
+    """``torch._check_value``: a guard for backed symbolic sizes, a runtime assert for unbacked ones."""
+    torch._check_value(cond, message)
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """``torch._dynamo.mark_static_address``: CUDA-graph trees read the tensor in place, never copy it."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(t)
+
+
+def real_tensors():
+    """A context in which tensors are real even inside a fake-tensor trace (for measuring on the device
+    while a fake impl runs): ``torch._subclasses.fake_tensor.unset_fake_temporarily``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+# ----------------------------------------------------------------------------- installing the pass lazily
+
+INDUCTOR_CONFIG = "torch._inductor.config"
+
+
+def install_post_grad_pass_on_first_compile(load_pass: Callable[[], object]) -> None:
+    """Make Inductor run our post-grad pass without importing Inductor now.
+
+    Inductor reads its post-grad custom pass from ``torch._inductor.config.post_grad_custom_post_pass``
+    (when it lowers a graph, and for its FX-graph-cache key). That module is first imported by the first
+    ``torch.compile`` that reaches Inductor. Here a placeholder pass is put there as soon as the module
+    exists: at once if it is already imported, else right after its import (an import hook). The
+    placeholder is a ``CustomGraphPass``; its first use (a call, or ``uuid()`` for the cache key) calls
+    ``load_pass()``, which imports the real pass, installs it in the placeholder's stead (keeping the
+    placeholder's ``previous``: whatever pass the user had there) and returns it; the placeholder then
+    hands the call on.
+    """
+    config = sys.modules.get(INDUCTOR_CONFIG)
+    if config is not None:
+        _install_placeholder(config, load_pass)
+        return
+    if not any(isinstance(f, _AfterImport) and f.name == INDUCTOR_CONFIG for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(INDUCTOR_CONFIG, lambda module: _install_placeholder(module, load_pass)))
+
+
+def is_placeholder_pass(obj) -> bool:
+    return getattr(obj, "_mla_inductor_placeholder", False)
+
+
+def _install_placeholder(config, load_pass) -> None:
+    from torch._inductor.custom_graph_pass import CustomGraphPass  # imported by the config module itself
+
+    current = config.post_grad_custom_post_pass
+    if is_placeholder_pass(current):
+        return
+
+    class PlaceholderPass(CustomGraphPass):
+        """Stands for mla_inductor's pass until Inductor first uses it (see the function above)."""
+
+        _mla_inductor_placeholder = True
+
+        def __init__(self, previous):
+            self.previous = previous
+
+        def __call__(self, graph):
+            return load_pass()(graph)
+
+        def uuid(self):
+            return load_pass().uuid()
+
+    config.post_grad_custom_post_pass = PlaceholderPass(current)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after module ``name`` is first imported, then steps aside."""
+
+    def __init__(self, name: str, callback):
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = None
+        for finder in list(sys.meta_path):  # whoever would have found it without us
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _CallbackLoader(spec.loader, self.callback)
+        return spec
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader, callback):
+        self.loader = loader
+        self.callback = callback
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        # The config module may replace itself in sys.modules (torch's config modules change their class).
+        self.callback(sys.modules.get(module.__name__, module))

@@ -1,0 +1,92 @@
+"""The ops ``torch.ops.mla.paged_decode``, ``paged_decode_with_lse`` and ``cache_append``: schema, fake
+impl and docstring side by side, and the eager implementation (contract -> selection -> backend).
+
+Importing this module registers the ops (``import mla_inductor`` does). Shapes and semantics:
+``mla_inductor.contract`` and docs/contract.md.
+
+Eager calls already run on the selected backend: the implementation validates the arguments, asks
+``selection`` which backend runs the call, and calls that backend. Correctness never depends on the
+compiler; under ``torch.compile`` the Inductor pass replaces the calls before they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_inductor.contract import (
+    DECODE_ARGS_SCHEMA,
+    check_append_args,
+    check_append_values,
+    check_decode_args,
+    check_decode_values,
+    empty_decode_outputs,
+    wants_value_checks,
+)
+from mla_inductor.selection import backend_for_append, backend_for_eager
+
+Tensor = torch.Tensor
+
+
+def _decode(op: str, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+            sparse_indices=None) -> tuple[Tensor, Tensor]:
+    problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                sparse_indices, op=op)
+    if wants_value_checks(q_nope):
+        check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op)
+    out, lse = backend_for_eager(problem, q_nope.device).decode(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices)
+    return out.contiguous(), lse.contiguous()
+
+
+def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
+    """MLA paged decode returning ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``; see ``contract``."""
+    return _decode("paged_decode_with_lse", *args)
+
+
+paged_decode_with_lse = torch.library.custom_op(
+    "mla::paged_decode_with_lse", _paged_decode_with_lse, mutates_args=(),
+    schema=f"({DECODE_ARGS_SCHEMA}=None) -> (Tensor, Tensor)")
+
+
+@paged_decode_with_lse.register_fake
+def _(*args):
+    check_decode_args(*args, op="paged_decode_with_lse")
+    return empty_decode_outputs(args[0])
+
+
+def _paged_decode(*args) -> Tensor:
+    """MLA paged decode: attention output ``[T, H, L]`` in q's dtype; see ``contract``."""
+    return _decode("paged_decode", *args)[0]
+
+
+paged_decode = torch.library.custom_op(
+    "mla::paged_decode", _paged_decode, mutates_args=(), schema=f"({DECODE_ARGS_SCHEMA}=None) -> Tensor")
+
+
+@paged_decode.register_fake
+def _(*args):
+    check_decode_args(*args)
+    return empty_decode_outputs(args[0])[0]
+
+
+@torch.library.custom_op("mla::cache_append", mutates_args=("kv_cache",))
+def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
+    """Write token i's ``[kv_c[i] | k_pe[i]]`` into flat slot ``slot_mapping[i]`` of ``kv_cache`` in place.
+
+    kv_cache [P, page_size, L+R] (or 656-byte fp8_ds_mla rows), kv_c [N, L], k_pe [N, R], slot_mapping [N]
+    int32/int64 with -1 = skip, kv_scale [1] fp32. fp8 caches are quantized (saturating at ±448);
+    fp8_ds_mla computes one scale per 128 latent values. The writer is the first backend of
+    ``selection.APPEND_ORDER`` that can write on the cache's device.
+    """
+    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    if wants_value_checks(slot_mapping):
+        check_append_values(kv_cache, slot_mapping)
+    backend_for_append(kv_cache.device).append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+
+
+@cache_append.register_fake
+def _(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
+    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+
+
+__all__ = ["cache_append", "paged_decode", "paged_decode_with_lse"]
