@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from mla_inductor.backends import flashmla as fm
+from mla_inductor.backends._common import quantize_query_fp8
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
@@ -319,8 +320,8 @@ def test_plan_is_handed_to_the_kernel(provider):
     provider(interface)
     x = make_decode_inputs([5, 70], num_heads=2, q_per_seq=2)
     plan = torch.ops.mla_flashmla.plan(*x.args())
-    md, splits, valid, table = plan
-    assert md.shape == (4, 8) and splits.shape == (3,) and valid.tolist() == [True, True, True, True]
+    md, splits, counts, table = plan
+    assert md.shape == (4, 8) and splits.shape == (3,) and counts.tolist() == [4, 5, 69, 70]  # keys per row
     assert bool((table >= 0).all())
     interface.calls.clear()
     out, lse = torch.ops.mla_flashmla.decode(*x.args(), plan)
@@ -493,7 +494,7 @@ def test_gpu_dense_fp8_matches_reference(H, Q):
     x = make_decode_inputs(GPU_SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_e4m3", device="cuda", seed=7 + H + Q)
     _poison_allocator()
     out, lse = BACKEND.decode(*x.args())
-    q8, q_descale = fm.quantize_query(torch.cat([x.q_nope, x.q_pe], -1))
+    q8, q_descale = quantize_query_fp8(torch.cat([x.q_nope, x.q_pe], -1))
     qd = (q8.float() * q_descale).to(torch.bfloat16)
     ref_qd = paged_decode_reference(qd[..., :512], qd[..., 512:], *x.args()[2:])
     e_kernel = _compare(x, out, lse, TOLERANCE[torch.bfloat16], ref=ref_qd)
@@ -639,5 +640,5 @@ def test_fp8_query_kernel_matches_the_torch_quantization(dtype, shape, chunk, mo
     deq = q8.cpu().float() * descale.cpu()
     rel = ((deq - q.float()).norm() / q.float().norm()).item()
     # e4m3 keeps 3 mantissa bits: ~3% with round-to-nearest (GPU); the CPU interpreter truncates (~2x).
-    torch_rel = ((fm.quantize_query(q)[0].float() * (40.0 / 448) - q.float()).norm() / q.float().norm()).item()
+    torch_rel = ((quantize_query_fp8(q)[0].float() * (40.0 / 448) - q.float()).norm() / q.float().norm()).item()
     assert rel <= (1.1 if DEV == "cuda" else 3.0) * torch_rel and rel < (0.04 if DEV == "cuda" else 0.09)

@@ -87,7 +87,7 @@ def test_user_preference_by_context_and_env(monkeypatch):
 
 def test_no_backend_raises_with_every_reason():
     problem = example_problem("cpu", "bf16", False, 16, 64)
-    with pytest.raises(RuntimeError, match="flashmla: FlashMLA runs on CUDA GPUs only"):
+    with pytest.raises(RuntimeError, match="flashmla: needs a CUDA GPU"):
         select_backend(problem, None, available=EVERYTHING, preference=("flashmla",))
 
 

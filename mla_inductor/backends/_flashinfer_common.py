@@ -1,5 +1,7 @@
-"""What the FlashInfer backends share: the lazy import, cached workspaces, row bookkeeping, and the
-``BatchMLAPagedAttentionWrapper`` backend that ``flashinfer_fa2`` and ``flashinfer_fa3`` instantiate.
+"""What the FlashInfer backends share: the lazy import, cached workspaces, and the two backend classes:
+the ``BatchMLAPagedAttentionWrapper`` backend that ``flashinfer_fa2`` and ``flashinfer_fa3`` instantiate,
+and the page-table backend of ``flashinfer_trtllm`` and ``flashinfer_xqa``. Helpers all backends share
+(rows, pages, fp8 query, the op signature) are in ``_common``.
 
 Nothing here imports FlashInfer at module import time (``import mla_inductor`` must stay lean); the
 module is imported on first use through ``flashinfer_module()``.
@@ -41,15 +43,28 @@ from typing import Optional
 import torch
 
 from mla_inductor.backends import Backend
+from mla_inductor.backends._common import (
+    DEEPSEEK_DIMS,
+    clamp_pages,
+    compact_sparse,
+    cuda_reason,
+    decode_op,
+    dims_reason,
+    finish_empty_rows,
+    kernel_lengths,
+    sm,
+    static_shape_reason,
+    visible_key_counts,
+)
+from mla_inductor.cache import cache_dtype
 from mla_inductor.contract import DecodeProblem, empty_decode_outputs
 
 Tensor = torch.Tensor
 
 MIN_FLASHINFER_VERSION = (0, 6, 14)
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace for MLA split-k partials
-DEEPSEEK_DIMS = (512, 64)  # (kv_lora_rank, rope_dim) FlashInfer's MLA kernels are built for
-_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-_LIB = torch.library.Library("mla_flashinfer", "FRAGMENT")  # the host-side plan ops (see _register_wrapper_ops)
+__all__ = ["DEEPSEEK_DIMS", "FlashInferTableBackend", "FlashInferWrapperBackend", "dims_reason", "flashinfer_module",
+           "flashinfer_unavailable_reason", "sm", "static_shape_reason", "workspace"]
 
 
 # ----------------------------------------------------------------------------- library and device
@@ -96,79 +111,6 @@ def workspace(device: torch.device, *, zeroed: bool = False) -> Tensor:
         alloc = torch.zeros if zeroed else torch.empty
         _WORKSPACES[key] = alloc(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return _WORKSPACES[key]
-
-
-def sm(capability: Optional[tuple[int, int]]) -> str:
-    return "CPU" if capability is None else f"SM{capability[0]}{capability[1]}"
-
-
-def static_shape_reason(problem: DecodeProblem) -> Optional[str]:
-    """FlashInfer plans and caches per head count, page size and Q: they must be static."""
-    for field, value in (("num_heads", problem.num_heads), ("page_size", problem.page_size),
-                         ("q_per_seq", problem.q_per_seq)):
-        if value is None:
-            return f"needs a static {field} (it is symbolic under dynamic shapes)"
-    if problem.sparse and problem.topk is None:
-        return "needs a static top-k width"
-    return None
-
-
-def dims_reason(problem: DecodeProblem, allowed=(DEEPSEEK_DIMS,)) -> Optional[str]:
-    dims = (problem.kv_lora_rank, problem.rope_dim)
-    if dims not in allowed:
-        wanted = " or ".join(f"{l}/{r}" for l, r in allowed)
-        return f"kv_lora_rank/rope_dim must be {wanted}, got {dims[0]}/{dims[1]}"
-    return None
-
-
-# ----------------------------------------------------------------------------- rows and indices
-
-def dense_row_counts(seq_lens: Tensor, q_per_seq: int) -> Tensor:
-    """int32 [B * Q]: keys row ``b*Q + j`` attends (``max(0, seq_lens[b] - Q + j + 1)``)."""
-    if q_per_seq == 1:  # one launch instead of five (a host plan pays each launch before its sync)
-        return seq_lens.clamp_min(0).to(torch.int32)
-    j = torch.arange(q_per_seq, device=seq_lens.device, dtype=torch.int32)
-    return (seq_lens[:, None] - q_per_seq + 1 + j).clamp_min(0).reshape(-1).to(torch.int32)
-
-
-def compact_sparse(sparse_indices: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
-    """Move each row's valid slots (``0 <= slot < capacity``) to its front, keeping their order.
-
-    sparse_indices int32 [T, K] -> (compacted int32 [T, K] with 0 in the tail, counts int32 [T]).
-    Kernels that take a per-row length read a prefix, while the contract allows -1 anywhere; the
-    permutation is a cumsum and a scatter (no sort, no host sync). The tail holds slot 0, a real
-    slot, so a kernel that reads one entry too many (or a row of count 0 given length 1) stays in bounds.
-    """
-    idx = sparse_indices
-    valid = (idx >= 0) & (idx < capacity)
-    ranks = valid.to(torch.int32).cumsum(1, dtype=torch.int32)  # valid entries up to and including k
-    counts = ranks[:, -1].contiguous()
-    k = torch.arange(idx.shape[1], device=idx.device, dtype=torch.int32)
-    dest = torch.where(valid, ranks - 1, counts[:, None] + k - ranks)
-    compacted = torch.empty_like(idx).scatter_(1, dest.long(), idx)
-    compacted = torch.where(k[None, :] < counts[:, None], compacted, torch.zeros_like(compacted))
-    return compacted, counts
-
-
-def mask_empty_rows(out: Tensor, lse: Tensor, counts: Tensor) -> None:
-    """Rows that see no key get out 0 and lse -inf, whatever the kernel wrote (in place, on device).
-    On CUDA a Triton kernel touches only the empty rows (a masked_fill would rewrite all of ``out``)."""
-    if out.is_cuda and out.is_contiguous() and lse.is_contiguous():
-        from mla_inductor.kernels.empty_rows import zero_empty_rows
-
-        zero_empty_rows(out, lse, counts)
-        return
-    empty = counts == 0
-    out.masked_fill_(empty[:, None, None], 0)
-    lse.masked_fill_(empty[:, None], float("-inf"))
-
-
-def quantize_query_fp8(q_nope: Tensor, q_pe: Tensor) -> tuple[Tensor, Tensor]:
-    """[T, H, L] and [T, H, R] -> (``[T, H, L+R]`` float8_e4m3fn, q_scale fp32 [1]) with a per-tensor
-    scale computed on the device (kernels that want q and cache both in fp8: trtllm-gen, XQA)."""
-    q = torch.cat([q_nope, q_pe], dim=-1).float()
-    q_scale = (q.abs().amax() / 448.0).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    return (q / q_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), q_scale
 
 
 # ----------------------------------------------------------------------------- the wrapper backend
@@ -266,17 +208,15 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     # wrapper's own buffer, so plan()'s copy into that buffer is a no-op (copy_ of a tensor onto itself).
     kv_indices = entry.kv_indices[:key.num_indices]
     if sparse_indices is None:
-        counts = dense_row_counts(seq_lens, key.qo_len)
-        # Unused block-table entries may hold anything; clamped, a stray read stays inside the cache.
-        torch.clamp(block_table.reshape(-1), 0, P - 1, out=kv_indices)
+        counts = visible_key_counts(seq_lens, q_nope.shape[0])
+        clamp_pages(block_table.reshape(-1), P, out=kv_indices)
         kv_lens = seq_lens
     else:
         compacted, counts = compact_sparse(sparse_indices, P * page_size)
         kv_indices.copy_(compacted.reshape(-1))
         kv_lens = counts
-    # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided); its
-    # rows see nothing by the contract and are masked after the run.
-    kv_lens = kv_lens.clamp_min(1)
+    # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided).
+    kv_lens = kernel_lengths(kv_lens)
     # The plan's one device->host sync: the lengths (FlashInfer schedules on the host).
     entry.kv_lens_host.copy_(kv_lens)
     entry.wrapper.plan(
@@ -307,59 +247,30 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
                       **scales)
     if scales:
         out.mul_(kv_scale)
-    mask_empty_rows(out, lse, plan[0])
+    finish_empty_rows(out, lse, plan[0])
     return out, lse
 
 
-def _register_wrapper_ops(fi_backend: str):
-    """The plan and run ops of one FlashInfer wrapper backend (``mla_flashinfer::plan_<b>``/``run_<b>``)."""
+def _wrapper_plan_fake(q_nope, *args):
+    return [q_nope.new_empty((q_nope.shape[0],), dtype=torch.int32)]
 
-    def plan(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-             softmax_scale: float, kv_scale: Tensor, sparse_indices: Optional[Tensor]) -> list[Tensor]:
-        return wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                            sparse_indices)
 
-    # Registered with the low-level Library API rather than torch.library.custom_op: this op runs on the
-    # host every decode step, outside the CUDA graph, and custom_op's Python layers (autograd wrapper,
-    # redispatch, output checks) were a measurable share of it in an ad-hoc timing on the H100 machine.
-    # It has no autograd.
-    name = f"plan_{fi_backend}"
-    _LIB.define(f"{name}(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-                f"float softmax_scale, Tensor kv_scale, Tensor? sparse_indices) -> Tensor[]", tags=_CUDAGRAPH_UNSAFE)
-    _LIB.impl(name, plan, "CompositeExplicitAutograd")
+def _define_wrapper_ops(fi_backend: str):
+    """``mla_flashinfer::plan_<b>`` (host sync, run outside CUDA graphs) and ``run_<b>`` of one wrapper backend."""
+
+    def plan(*args) -> list[Tensor]:
+        return wrapper_plan(fi_backend, *args)
+
+    def run(*args) -> tuple[Tensor, Tensor]:
+        return wrapper_run(fi_backend, *args)
+
     plan.__doc__ = (f"Plan FlashInfer's {fi_backend} MLA wrapper for this batch (host sync): returns "
                     f"[row_counts int32 [T]] (keys each query row sees).")
-
-    @torch.library.register_fake(f"mla_flashinfer::{name}", lib=_LIB)
-    def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
-        return [q_nope.new_empty((q_nope.shape[0],), dtype=torch.int32)]
-
-    def run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-        return wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                           sparse_indices, plan)
-
-    run_fn.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after "
-                      f"plan_{fi_backend}: (out [T, H, L], lse [T, H] fp32, natural log).")
-    return getattr(torch.ops.mla_flashinfer, name).default, _register_run_op(fi_backend, run_fn)
-
-
-def _register_run_op(name: str, run_fn):
-    """``mla_flashinfer::run_<name>``: ``run_fn(<8 contract args>, plan) -> (out, lse)`` with the contract's
-    fake outputs. Returns the OpOverload (the pass matches graph nodes by it, not by the CustomOpDef)."""
-
-    def run(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-            softmax_scale: float, kv_scale: Tensor, sparse_indices: Optional[Tensor],
-            plan: list[Tensor]) -> tuple[Tensor, Tensor]:
-        return run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan)
-
-    run.__doc__ = run_fn.__doc__
-    run_op = torch.library.custom_op(f"mla_flashinfer::run_{name}", run, mutates_args=())
-
-    @run_op.register_fake
-    def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-        return empty_decode_outputs(q_nope)
-
-    return getattr(torch.ops.mla_flashinfer, f"run_{name}").default
+    run.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
+                   f"(out [T, H, L], lse [T, H] fp32, natural log).")
+    return (decode_op(f"mla_flashinfer::plan_{fi_backend}", plan, returns="tensors", takes_plan=False,
+                      fake=_wrapper_plan_fake, host_plan=True),
+            decode_op(f"mla_flashinfer::run_{fi_backend}", run))
 
 
 class FlashInferWrapperBackend(Backend):
@@ -376,22 +287,21 @@ class FlashInferWrapperBackend(Backend):
         self.name = name
         self.fi_backend = fi_backend
         self._capability_reason = capability_reason
-        self._plan_op, self._run_op = _register_wrapper_ops(fi_backend)
+        self._plan_op, self._run_op = _define_wrapper_ops(fi_backend)
 
     def unavailable_reason(self) -> Optional[str]:
         return flashinfer_unavailable_reason()
 
     def supports(self, problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
-        if problem.device_type != "cuda" or capability is None:
-            return f"needs a CUDA GPU, got {problem.device_type}"
-        why = self._capability_reason(capability) or static_shape_reason(problem) or dims_reason(problem)
+        why = (cuda_reason(problem, capability) or self._capability_reason(capability)
+               or static_shape_reason(problem) or dims_reason(problem))
         if why:
             return why
         if problem.num_heads > 128:
             return f"num_heads must be <= 128, got {problem.num_heads}"
         fmt, q = problem.cache_format, problem.q_dtype
         if fmt in ("bf16", "fp16"):
-            if q != {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]:
+            if q != cache_dtype(fmt):
                 return f"a {fmt} cache needs q in the same dtype, got {q}"
         elif fmt == "fp8_e4m3":
             if capability[0] != 9:
@@ -417,7 +327,8 @@ class FlashInferWrapperBackend(Backend):
 
 # ----------------------------------------------------------------------------- table-driven backends
 
-def prepare_tables(q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> list[Tensor]:
+def prepare_tables(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                   sparse_indices=None) -> list[Tensor]:
     """Layer-independent inputs of the kernels that take a page table (trtllm-gen, XQA), on the device.
 
     Returns ``[table, kernel_lens, row_counts]``:
@@ -426,36 +337,22 @@ def prepare_tables(q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> l
     sparse table int32 [T, K] compacted slots (valid first, slot 0 in the tail),
            kernel_lens int32 [T] = max(valid count, 1) (the kernels take a length, not a -1 mask, and
            zero-length rows are unsupported);
-    row_counts int32 [T]: keys each query row sees; rows with 0 are masked after the kernel.
+    row_counts int32 [T]: keys each query row sees; rows with 0 are finished after the kernel.
     """
     P, page_size = kv_cache.shape[0], kv_cache.shape[1]
     if sparse_indices is None:
-        counts = dense_row_counts(seq_lens, q_nope.shape[0] // block_table.shape[0])
-        return [block_table.clamp(0, P - 1), seq_lens.clamp_min(1), counts]
+        counts = visible_key_counts(seq_lens, q_nope.shape[0])
+        return [clamp_pages(block_table, P), kernel_lengths(seq_lens), counts]
     table, counts = compact_sparse(sparse_indices, P * page_size)
-    return [table, counts.clamp_min(1), counts]
+    return [table, kernel_lengths(counts), counts]
 
 
-def register_table_ops(name: str, run_fn):
-    """``mla_flashinfer::prepare_<name>`` (``prepare_tables``, no host sync, CUDA-graph safe, shared by all
-    layers of a forward) and ``mla_flashinfer::run_<name>`` (``run_fn(<8 contract args>, plan)``)."""
-
-    def prepare(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                softmax_scale: float, kv_scale: Tensor, sparse_indices: Optional[Tensor]) -> list[Tensor]:
-        return prepare_tables(q_nope, kv_cache, block_table, seq_lens, sparse_indices)
-
-    prepare.__doc__ = prepare_tables.__doc__
-    prepare_op = torch.library.custom_op(f"mla_flashinfer::prepare_{name}", prepare, mutates_args=())
-
-    @prepare_op.register_fake
-    def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
-        T = q_nope.shape[0]
-        rows = block_table.shape[0] if sparse_indices is None else T
-        table = block_table if sparse_indices is None else sparse_indices
-        return [table.new_empty(table.shape), q_nope.new_empty((rows,), dtype=torch.int32),
-                q_nope.new_empty((T,), dtype=torch.int32)]
-
-    return getattr(torch.ops.mla_flashinfer, f"prepare_{name}").default, _register_run_op(name, run_fn)
+def _prepare_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
+    T = q_nope.shape[0]
+    rows = block_table.shape[0] if sparse_indices is None else T
+    table = block_table if sparse_indices is None else sparse_indices
+    return [table.new_empty(table.shape), q_nope.new_empty((rows,), dtype=torch.int32),
+            q_nope.new_empty((T,), dtype=torch.int32)]
 
 
 class FlashInferTableBackend(Backend):
@@ -468,7 +365,11 @@ class FlashInferTableBackend(Backend):
         self._run_fn = run_fn
         self._support_fn = support_fn
         self._required_attr = required_attr
-        self._prepare_op, self._run_op = register_table_ops(name.removeprefix("flashinfer_"), run_fn)
+        short = name.removeprefix("flashinfer_")
+        # prepare: no host sync, CUDA-graph safe, shared by all layers of a forward.
+        self._prepare_op = decode_op(f"mla_flashinfer::prepare_{short}", prepare_tables, returns="tensors",
+                                     takes_plan=False, fake=_prepare_fake)
+        self._run_op = decode_op(f"mla_flashinfer::run_{short}", run_fn)
 
     def unavailable_reason(self) -> Optional[str]:
         why = flashinfer_unavailable_reason()
@@ -477,9 +378,7 @@ class FlashInferTableBackend(Backend):
         return why
 
     def supports(self, problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
-        if problem.device_type != "cuda" or capability is None:
-            return f"needs a CUDA GPU, got {problem.device_type}"
-        return self._support_fn(problem, capability)
+        return cuda_reason(problem, capability) or self._support_fn(problem, capability)
 
     def compiled_op(self):
         return self._run_op
@@ -488,6 +387,6 @@ class FlashInferTableBackend(Backend):
         return self._prepare_op
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
-        plan = prepare_tables(q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+        plan = prepare_tables(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
         return self._run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                             plan)

@@ -6,7 +6,8 @@ FP8 MLA path is Hopper-only). The plumbing is shared with fa3 in ``_flashinfer_c
 
 from __future__ import annotations
 
-from mla_inductor.backends._flashinfer_common import FlashInferWrapperBackend, sm
+from mla_inductor.backends._common import sm
+from mla_inductor.backends._flashinfer_common import FlashInferWrapperBackend
 
 
 def _capability_reason(capability):

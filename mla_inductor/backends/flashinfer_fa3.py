@@ -7,7 +7,8 @@ list). The plumbing is shared with fa2 in ``_flashinfer_common``.
 
 from __future__ import annotations
 
-from mla_inductor.backends._flashinfer_common import FlashInferWrapperBackend, sm
+from mla_inductor.backends._common import sm
+from mla_inductor.backends._flashinfer_common import FlashInferWrapperBackend
 
 
 def _capability_reason(capability):

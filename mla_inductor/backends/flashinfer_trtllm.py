@@ -19,8 +19,8 @@ checks (SM10x, L/R 512/64 or 256/64 — 512/64 only when sparse — page 32/64, 
 bf16 q, bf16/fp8_e4m3 cache), so a call FlashInfer would refuse is refused at selection time with the
 reason, and ``select_backend`` moves on to the next backend of the table instead of failing at run time.
 
-Not run on a GPU here (no SM100 was available): the marshalling is unit-tested against a recorder.
-Assumptions to check on a B200: the lse is natural-log (``LSE_IS_LOG2`` converts if not), and Q > 1
+Untested on SM100: the marshalling is unit-tested against a recorder. Assumptions to check on a
+B200: the lse is natural-log (``LSE_IS_LOG2`` converts if not), and Q > 1
 uses the causal mask among the new tokens (speculative decode).
 """
 
@@ -30,17 +30,15 @@ import math
 
 import torch
 
-from mla_inductor.backends._flashinfer_common import (
+from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
-    FlashInferTableBackend,
     dims_reason,
-    flashinfer_module,
-    mask_empty_rows,
+    finish_empty_rows,
     quantize_query_fp8,
     sm,
     static_shape_reason,
-    workspace,
 )
+from mla_inductor.backends._flashinfer_common import FlashInferTableBackend, flashinfer_module, workspace
 
 SMALL_DIMS = (256, 64)
 QK_NOPE_HEAD_DIM = {DEEPSEEK_DIMS: 128, SMALL_DIMS: 64}  # FlashInfer's table; it only keys its caches
@@ -74,7 +72,7 @@ def trtllm_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     R = q_pe.shape[-1]
     B = block_table.shape[0]
     if kv_cache.dtype == torch.float8_e4m3fn:
-        query, q_scale = quantize_query_fp8(q_nope, q_pe)
+        query, q_scale = quantize_query_fp8(torch.cat([q_nope, q_pe], dim=-1))
         bmm1_scale = q_scale * kv_scale * softmax_scale  # fp32 [1], stays on the device
         bmm2_scale = kv_scale.float()
     else:
@@ -110,7 +108,7 @@ def trtllm_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     out = out.view(T, H, L)
     if LSE_IS_LOG2:
         lse.mul_(math.log(2.0))
-    mask_empty_rows(out, lse, row_counts)
+    finish_empty_rows(out, lse, row_counts)
     return out, lse
 
 

@@ -18,24 +18,21 @@ pages, fp32 log-sum-exp): that costs about as much memory traffic again as the a
 the selection should put this backend after one that returns lse natively until the contract says
 which calls need lse. Rows that see nothing are masked (out 0, lse -inf).
 
-Not run on a GPU here (no SM120 was available): marshalling and lse are unit-tested on CPU.
+Untested on SM120: marshalling and lse are unit-tested on CPU.
 """
 
 from __future__ import annotations
 
-
 import torch
 
-from mla_inductor.backends._flashinfer_common import (
-    FlashInferTableBackend,
+from mla_inductor.backends._common import (
     dims_reason,
-    flashinfer_module,
-    mask_empty_rows,
+    finish_empty_rows,
     quantize_query_fp8,
     sm,
     static_shape_reason,
-    workspace,
 )
+from mla_inductor.backends._flashinfer_common import FlashInferTableBackend, flashinfer_module, workspace
 from mla_inductor.cache import decode_tokens
 
 PAGE_SIZES = (16, 32, 64, 128)
@@ -102,7 +99,7 @@ def xqa_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_sca
     B, H, L = q_nope.shape
     R = q_pe.shape[-1]
     if kv_cache.dtype == torch.float8_e4m3fn:
-        query, q_scale = quantize_query_fp8(q_nope, q_pe)
+        query, q_scale = quantize_query_fp8(torch.cat([q_nope, q_pe], dim=-1))
         bmm1_scale, bmm2_scale = q_scale * softmax_scale, kv_scale.float()
     else:
         query = torch.cat([q_nope, q_pe], dim=-1)
@@ -123,7 +120,7 @@ def xqa_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_sca
         bmm2_scale=bmm2_scale,
     )
     lse = lse_pass(q_nope, q_pe, kv_cache, table, seq_lens, softmax_scale, kv_scale)
-    mask_empty_rows(out, lse, row_counts)
+    finish_empty_rows(out, lse, row_counts)
     return out, lse
 
 

@@ -30,7 +30,7 @@ when K is not one (the sparse kernels assert ``topk % 64 == 0``).
 Plan and run (all CUDA-graph capturable: no host sync, metadata made and read on the stream):
 
 - ``mla_flashmla::plan`` -> ``[tile_scheduler_metadata int32 [num_sm_parts, M], num_splits int32 [B+1],
-  row_valid bool [T], *kernel_tensors]``. Legacy providers and the FP8 extension have a metadata
+  row_counts int32 [T], *kernel_tensors]``. Legacy providers and the FP8 extension have a metadata
   function; the 2026 interface (``FlashMLASchedMeta``) makes the metadata inside the kernel call, so
   there this op runs one decode and keeps only its metadata (for callers planning by hand).
 - ``mla_flashmla::decode_and_plan`` (contract's 8 arguments) -> ``[out, lse, *plan]``: a decode that
@@ -57,8 +57,19 @@ from typing import Any, Optional
 
 import torch
 
+from mla_inductor._compat import real_tensors
 from mla_inductor.backends import Backend
-from mla_inductor.cache import FP8_E4M3_MAX
+from mla_inductor.backends._common import (
+    DEEPSEEK_DIMS,
+    clamp_pages,
+    cuda_reason,
+    decode_op,
+    kernel_lengths,
+    quantize_query_fp8,
+    sm,
+    visible_key_counts,
+)
+from mla_inductor.cache import cache_dtype, cache_format
 from mla_inductor.contract import DecodeProblem, empty_decode_outputs
 
 Tensor = torch.Tensor
@@ -211,8 +222,7 @@ def decode_mode(cache_format: str, sparse: bool) -> Optional[str]:
 
 
 def _mode_of(kv_cache: Tensor, sparse_indices: Optional[Tensor]) -> str:
-    fmt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
-           torch.uint8: "fp8_ds_mla"}.get(kv_cache.dtype, str(kv_cache.dtype))
+    fmt = cache_format(kv_cache)
     mode = decode_mode(fmt, sparse_indices is not None)
     if mode is None:
         raise ValueError(f"mla_flashmla.decode: kv_cache of format {fmt} is not supported "
@@ -220,29 +230,27 @@ def _mode_of(kv_cache: Tensor, sparse_indices: Optional[Tensor]) -> str:
     return mode
 
 
-def row_valid(seq_lens: Tensor, num_rows: int, sparse_indices: Optional[Tensor]) -> Tensor:
-    """bool [T]: whether row ``b*Q + j`` attends to anything (dense: ``seq_lens[b] - Q + j >= 0``)."""
-    if sparse_indices is not None:
-        return (sparse_indices >= 0).any(dim=-1)
-    Q = num_rows // seq_lens.shape[0]
-    j = torch.arange(Q, device=seq_lens.device, dtype=seq_lens.dtype)
-    return (seq_lens[:, None] - Q + j >= 0).reshape(num_rows)
+def row_counts(kv_cache: Tensor, seq_lens: Tensor, num_rows: int, sparse_indices: Optional[Tensor]) -> Tensor:
+    """int32 [T]: keys row ``b*Q + j`` sees (0: the row is finished with out 0, lse -inf)."""
+    return visible_key_counts(seq_lens, num_rows, sparse_indices, kv_cache.shape[0] * kv_cache.shape[1])
 
 
-def kernel_tensors(mode: str, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor]) -> list[Tensor]:
+def kernel_tensors(mode: str, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                   sparse_indices: Optional[Tensor]) -> list[Tensor]:
     """What the kernel reads instead of the caller's tensors (the plan's tail, or made per call):
 
-    - dense: ``[block_table]`` with -1 garbage clamped to page 0, so no negative page id is ever followed;
+    - dense: ``[block_table]`` with unused entries (-1 included) clamped into the cache, so no negative
+      page id is ever followed;
     - dense_fp8: that table and ``seq_lens`` clamped to >= 1: the FP8 extension (pre-2026 FlashMLA)
-      faults on a sequence of length 0 (illegal address, H100); the row is masked afterwards anyway;
+      faults on a sequence of length 0 (illegal address, H100); the row is finished afterwards anyway;
     - sparse: ``[]``, or ``sparse_indices`` padded with -1 to a multiple of 64 (the kernels load top-k in
       blocks of 64 and assert ``topk % 64 == 0``).
     """
     if mode == "sparse":
         pad = -sparse_indices.shape[-1] % TOPK_BLOCK
         return [torch.nn.functional.pad(sparse_indices, (0, pad), value=-1)] if pad else []
-    table = block_table.clamp_min(0)
-    return [table, seq_lens.clamp_min(1)] if mode == "dense_fp8" else [table]
+    table = clamp_pages(block_table, kv_cache.shape[0])
+    return [table, kernel_lengths(seq_lens)] if mode == "dense_fp8" else [table]
 
 
 def _kernel_query(q_nope: Tensor, q_pe: Tensor, B: int) -> Tensor:
@@ -259,19 +267,6 @@ def _kernel_query(q_nope: Tensor, q_pe: Tensor, B: int) -> Tensor:
     )
     q = q_nope.as_strided((T, H, L + R), q_nope.stride()) if adjacent else torch.cat([q_nope, q_pe], dim=-1)
     return q.view(B, T // B, H, L + R)
-
-
-def quantize_query(q: Tensor) -> tuple[Tensor, Tensor]:
-    """q [..., 576] -> (float8_e4m3fn contiguous copy, descale fp32 [1]) with one scale per tensor
-    (``amax / 448``), all on the device: two Triton kernels on CUDA (``fp8_query_kernel``), torch elsewhere."""
-    if q.is_cuda:
-        from mla_inductor.kernels.fp8_query import quantize_per_tensor_e4m3
-
-        return quantize_per_tensor_e4m3(q)
-    amax = torch.linalg.vector_norm(q, ord=float("inf")).float()
-    descale = (amax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    scaled = torch.mul(q, (1.0 / descale).to(q.dtype))  # |scaled| <= 448 up to rounding of q's dtype
-    return scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), descale
 
 
 def _kernel_inputs(q_nope, q_pe, kv_cache, block_table, sparse_indices):
@@ -304,13 +299,13 @@ KERNEL_ZEROES_EMPTY_ROWS = {"dense": True, "dense_fp8": False, "sparse": True}
 
 
 def plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
-    """The plan: ``[tile_scheduler_metadata, num_splits, row_valid bool [T], *kernel_tensors(...)]``."""
+    """The plan: ``[tile_scheduler_metadata, num_splits, row_counts int32 [T], *kernel_tensors(...)]``."""
     mode, q, kcache, causal = _kernel_inputs(q_nope, q_pe, kv_cache, block_table, sparse_indices)
     provider = _require_provider()
-    tensors = kernel_tensors(mode, block_table, seq_lens, sparse_indices)
+    tensors = kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices)
     table, lens, indices = _unpack(mode, block_table, seq_lens, sparse_indices, tensors, *q.shape[:2])
     md, splits = provider.metadata(mode, q, kcache, table, lens, softmax_scale, causal, indices)
-    return [md, splits, row_valid(seq_lens, q_nope.shape[0], sparse_indices)] + tensors
+    return [md, splits, row_counts(kv_cache, seq_lens, q_nope.shape[0], sparse_indices)] + tensors
 
 
 def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
@@ -325,34 +320,34 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
     T, H, _ = q_nope.shape
     B, Q = q.shape[:2]
     if plan:
-        md, splits, valid, tensors = plan[0], plan[1], plan[2], plan[3:]
+        md, splits, counts, tensors = plan[0], plan[1], plan[2], plan[3:]
     else:
         md = splits = None
-        valid = row_valid(seq_lens, T, sparse_indices)
-        tensors = kernel_tensors(mode, block_table, seq_lens, sparse_indices)
+        counts = row_counts(kv_cache, seq_lens, T, sparse_indices)
+        tensors = kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices)
     table, lens, indices = _unpack(mode, block_table, seq_lens, sparse_indices, tensors, B, Q)
     q_descale = None
     if mode == "dense_fp8":
-        q, q_descale = quantize_query(q)
+        q, q_descale = quantize_query_fp8(q)
     out, lse, md, splits = provider.attend(mode, q, kcache, table, lens, softmax_scale, causal, indices, md, splits,
                                            q_descale, kv_scale if mode == "dense_fp8" else None)
     out = out.reshape(T, H, HEAD_DIM_V).to(q_nope.dtype)
-    plan = plan or [md, splits, valid] + tensors
+    plan = plan or [md, splits, counts] + tensors
     zero_out = not KERNEL_ZEROES_EMPTY_ROWS[mode]
     if not need_lse and not zero_out:
         return out, None, plan
     # lse [B, H, Q] -> [T, H] with -inf for empty rows (and out 0 there where the kernel leaves garbage).
     lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device) if need_lse else None
-    if out.is_cuda and out.is_contiguous():  # one launch; valid False reads as a count of 0
+    if out.is_cuda and out.is_contiguous():  # one launch
         from mla_inductor.kernels.empty_rows import finish_rows
 
-        finish_rows(out, lse_out, valid, lse_src=lse.transpose(1, 2), zero_out=zero_out)
+        finish_rows(out, lse_out, counts, lse_src=lse.transpose(1, 2), zero_out=zero_out)
     else:
         if need_lse:
             minus_inf = torch.full((), float("-inf"), dtype=torch.float32, device=lse.device)
-            torch.where(valid.view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
+            torch.where((counts > 0).view(B, Q, 1), lse.transpose(1, 2), minus_inf, out=lse_out.view(B, Q, H))
         if zero_out:
-            out = out.masked_fill(~valid[:, None, None], 0)
+            out = out.masked_fill((counts == 0)[:, None, None], 0)
     return out, lse_out, plan
 
 
@@ -370,9 +365,7 @@ def metadata_shape(mode: str, device: torch.device, H: int, Q: int, q_dtype: tor
     """tile_scheduler_metadata's shape ``(num_sm_parts, M)``: it depends on the GPU's SM count, H, Q and
     the FlashMLA version, never on B, seq_lens or top-k, so it is measured once on a one-sequence problem
     (the fake impl needs it; a CUDA call at compile time, never in ``supports``)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
+    with real_tensors():
         width = {"sparse": 656}.get(mode, HEAD_DIM)
         q_nope = torch.zeros(Q, H, HEAD_DIM_V, dtype=q_dtype, device=device)
         q_pe = torch.zeros(Q, H, HEAD_DIM - HEAD_DIM_V, dtype=q_dtype, device=device)
@@ -385,29 +378,7 @@ def metadata_shape(mode: str, device: torch.device, H: int, Q: int, q_dtype: tor
         return tuple(md.shape)
 
 
-@torch.library.custom_op("mla_flashmla::plan", mutates_args=())
-def flashmla_plan(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    softmax_scale: float,
-    kv_scale: Tensor,
-    sparse_indices: Optional[Tensor] = None,
-) -> list[Tensor]:
-    """FlashMLA's schedule for one forward: ``[tile_scheduler_metadata int32 [num_sm_parts, M],
-    num_splits int32 [B + 1], row_valid bool [T]]`` plus, dense, ``block_table int32 [B, max_pages]``
-    (clamped to valid page ids). Reads seq_lens / sparse_indices on the GPU; no host sync."""
-    return plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
-
-
-@flashmla_plan.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
-    return _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices)
-
-
-def _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices):
+def _fake_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
     mode = _mode_of(kv_cache, sparse_indices)
     T, H, _ = q_nope.shape
     parts, width = metadata_shape(mode, q_nope.device, int(H), int(T // block_table.shape[0]), q_nope.dtype,
@@ -415,84 +386,36 @@ def _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices):
     return [
         q_nope.new_empty((parts, width), dtype=torch.int32),
         q_nope.new_empty((block_table.shape[0] + 1,), dtype=torch.int32),
-        q_nope.new_empty((T,), dtype=torch.bool),
-    ] + kernel_tensors(mode, block_table, seq_lens, sparse_indices)
+        q_nope.new_empty((T,), dtype=torch.int32),
+    ] + kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices)
 
 
-@torch.library.custom_op("mla_flashmla::decode", mutates_args=())
-def flashmla_decode(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    softmax_scale: float,
-    kv_scale: Tensor,
-    sparse_indices: Optional[Tensor],
-    plan: list[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """FlashMLA decode: the contract's arguments and ``mla_flashmla::plan``'s result (or ``[]``: plan
-    inline) -> ``(out [T, H, 512] in q's dtype, lse [T, H] fp32)``."""
-    return run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan)
-
-
-@flashmla_decode.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-    return empty_decode_outputs(q_nope)
-
-
-@torch.library.custom_op("mla_flashmla::decode_out", mutates_args=())
-def flashmla_decode_out(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    softmax_scale: float,
-    kv_scale: Tensor,
-    sparse_indices: Optional[Tensor],
-    plan: list[Tensor],
-) -> Tensor:
-    """``mla_flashmla::decode`` for a call whose lse nobody reads (``mla.paged_decode``): out only, with no
-    epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse)."""
-    return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                           plan, need_lse=False)[0]
-
-
-@flashmla_decode_out.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-    return empty_decode_outputs(q_nope)[0]
-
-
-@torch.library.custom_op("mla_flashmla::decode_and_plan", mutates_args=())
-def flashmla_decode_and_plan(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    softmax_scale: float,
-    kv_scale: Tensor,
-    sparse_indices: Optional[Tensor] = None,
-) -> list[Tensor]:
+def _decode_and_plan_list(*args) -> list[Tensor]:
     """The first layer of a forward: ``[out, lse, *plan]``, its decode and the schedule it made for
     itself (``mla_flashmla::plan``'s result), which the later layers take. FlashMLA's 2026 interface
     builds the schedule inside the kernel call, so this is how a forward gets it without an extra attention."""
-    out, lse, plan = decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                     sparse_indices, [])
+    out, lse, plan = decode_and_plan(*args, [])
     return [out, lse] + plan
 
 
-@flashmla_decode_and_plan.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None):
-    return list(empty_decode_outputs(q_nope)) + _fake_plan(q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+def _decode_out(*args) -> Tensor:
+    """``mla_flashmla::decode`` for a call whose lse nobody reads (``mla.paged_decode``): out only, with no
+    epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse)."""
+    return decode_and_plan(*args, need_lse=False)[0]
+
+
+# plan: FlashMLA's schedule for one forward, [tile_scheduler_metadata int32 [num_sm_parts, M], num_splits int32
+# [B + 1], row_counts int32 [T]] plus, dense, the clamped block table (and lengths); no host sync.
+# decode: the contract's arguments and the plan (or [], plan inline) -> (out [T, H, 512] in q's dtype, lse fp32).
+PLAN_OP = decode_op("mla_flashmla::plan", plan_decode, returns="tensors", takes_plan=False, fake=_fake_plan)
+DECODE_OP = decode_op("mla_flashmla::decode", run_decode)
+DECODE_OUT_OP = decode_op("mla_flashmla::decode_out", _decode_out, returns="out")
+DECODE_AND_PLAN_OP = decode_op(
+    "mla_flashmla::decode_and_plan", _decode_and_plan_list, returns="tensors", takes_plan=False,
+    fake=lambda *args: list(empty_decode_outputs(args[0])) + _fake_plan(*args))
 
 
 # ----------------------------------------------------------------------------- the backend
-
-def _sm(capability) -> str:
-    return f"SM{capability[0]}{capability[1]}"
-
 
 class FlashMLABackend(Backend):
     name = "flashmla"
@@ -503,9 +426,10 @@ class FlashMLABackend(Backend):
         return None if provider is not None else f"no FlashMLA provider is importable ({tried})"
 
     def supports(self, problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
-        if problem.device_type != "cuda" or capability is None:
-            return f"FlashMLA runs on CUDA GPUs only, got device type {problem.device_type}"
-        if (problem.kv_lora_rank, problem.rope_dim) != (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V):
+        why = cuda_reason(problem, capability)
+        if why:
+            return why
+        if (problem.kv_lora_rank, problem.rope_dim) != DEEPSEEK_DIMS:
             return (f"FlashMLA needs kv_lora_rank=512 and rope_dim=64 (head_dim 576, head_dim_v 512), "
                     f"got {problem.kv_lora_rank} and {problem.rope_dim}")
         if problem.num_heads is None or problem.q_per_seq is None:
@@ -521,7 +445,7 @@ class FlashMLABackend(Backend):
                        else ""))
         if mode == "sparse":
             if capability != (9, 0) and capability[0] != 10:
-                return f"FlashMLA sparse decode needs SM90 or SM100-family GPUs, got {_sm(capability)}"
+                return f"FlashMLA sparse decode needs SM90 or SM100-family GPUs, got {sm(capability)}"
             if problem.num_heads not in SPARSE_HEADS:
                 return f"FlashMLA sparse decode needs 64 or 128 heads, got {problem.num_heads}"
             if problem.q_dtype != torch.bfloat16:
@@ -530,9 +454,8 @@ class FlashMLABackend(Backend):
                 return "FlashMLA sparse decode needs a static top-k width (it is padded to a multiple of 64)"
         else:
             if capability != (9, 0):
-                return f"FlashMLA dense decode needs SM90 (sm_90a, Hopper), got {_sm(capability)}"
-            if mode == "dense" and problem.q_dtype != {"bf16": torch.bfloat16, "fp16": torch.float16}[
-                    problem.cache_format]:
+                return f"FlashMLA dense decode needs SM90 (sm_90a, Hopper), got {sm(capability)}"
+            if mode == "dense" and problem.q_dtype != cache_dtype(problem.cache_format):
                 return f"FlashMLA dense decode needs queries of the cache's dtype ({problem.cache_format}), got {problem.q_dtype}"
             if mode == "dense_fp8" and problem.q_dtype not in (torch.bfloat16, torch.float16):
                 return f"FlashMLA dense FP8 decode needs bf16 or fp16 queries, got {problem.q_dtype}"
@@ -548,20 +471,20 @@ class FlashMLABackend(Backend):
         return None
 
     def compiled_op(self):
-        return torch.ops.mla_flashmla.decode.default
+        return DECODE_OP
 
     # Without a plan a call builds its own metadata; with several layers the first one's (decode_and_plan_op)
     # serves them all. The standalone plan op runs one whole attention on the 2026 interface.
     plan_is_optional = True
 
     def plan_op(self):
-        return torch.ops.mla_flashmla.plan.default
+        return PLAN_OP
 
     def decode_and_plan_op(self):
-        return torch.ops.mla_flashmla.decode_and_plan.default
+        return DECODE_AND_PLAN_OP
 
     def out_only_op(self):
-        return torch.ops.mla_flashmla.decode_out.default
+        return DECODE_OUT_OP
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])

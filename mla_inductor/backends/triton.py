@@ -11,10 +11,8 @@ import importlib.util
 import os
 from typing import Optional
 
-import torch
-
 from mla_inductor.backends import Backend
-from mla_inductor.contract import empty_decode_outputs
+from mla_inductor.backends._common import decode_op, sm
 
 SUPPORTED_L = (256, 512)
 SUPPORTED_R = (32, 64)
@@ -25,19 +23,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@torch.library.custom_op("mla_triton::decode", mutates_args=())
-def triton_decode(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    kv_scale: torch.Tensor,
-    sparse_indices: Optional[torch.Tensor],
-    plan: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mla.paged_decode_with_lse`` on our Triton kernels (``plan`` is unused: the split count is chosen
+def _run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    """``mla.paged_decode_with_lse`` on our Triton kernel (``plan`` is unused: the split count is chosen
     from static shapes, so nothing is planned per step)."""
     from mla_inductor.kernels.decode import triton_paged_decode
 
@@ -45,9 +32,7 @@ def triton_decode(
                                sparse_indices)
 
 
-@triton_decode.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-    return empty_decode_outputs(q_nope)
+DECODE_OP = decode_op("mla_triton::decode", _run)
 
 
 class TritonBackend(Backend):
@@ -66,9 +51,9 @@ class TritonBackend(Backend):
         elif problem.device_type != "cuda" or capability is None:
             return f"needs a CUDA GPU, got {problem.device_type}"
         elif capability < (8, 0):
-            return f"needs SM80 or newer, got SM{capability[0]}{capability[1]}"
+            return f"needs SM80 or newer, got {sm(capability)}"
         elif problem.cache_format in _FP8_FORMATS and capability < (8, 9):
-            return f"{problem.cache_format} caches need SM89 or newer (e4m3 conversions), got SM{capability[0]}{capability[1]}"
+            return f"{problem.cache_format} caches need SM89 or newer (e4m3 conversions), got {sm(capability)}"
         if problem.kv_lora_rank not in SUPPORTED_L:
             return f"kv_lora_rank must be one of {SUPPORTED_L}, got {problem.kv_lora_rank}"
         if problem.rope_dim not in SUPPORTED_R:
@@ -76,11 +61,10 @@ class TritonBackend(Backend):
         return None
 
     def compiled_op(self):
-        return torch.ops.mla_triton.decode.default
+        return DECODE_OP
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
-        return triton_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                             sparse_indices, [])
+        return DECODE_OP(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
 
     def append_supports(self, device_type, capability):
         return None if device_type == "cuda" else f"writes caches on CUDA only, got {device_type}"

@@ -26,6 +26,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from mla_inductor.cache import FP8_DS_MLA_TOKEN_BYTES, cache_format
+
 try:
     import triton
     import triton.language as tl
@@ -38,7 +40,7 @@ except Exception:  # pragma: no cover - triton is a hard dependency in practice
 
 __all__ = ["triton_paged_decode", "DecodeConfig", "choose_config", "FP8_DS_MLA_ROW_BYTES"]
 
-FP8_DS_MLA_ROW_BYTES = 656  # 512 e4m3 latent + 4 fp32 scales + 64 bf16 rope
+FP8_DS_MLA_ROW_BYTES = FP8_DS_MLA_TOKEN_BYTES  # 512 e4m3 latent + 4 fp32 scales + 64 bf16 rope
 _SUPPORTED_L = (256, 512)
 _SUPPORTED_R = (32, 64)
 
@@ -431,21 +433,24 @@ def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, spars
     return T, H, L, R
 
 
+_KV_MODE_OF_FORMAT = {"fp32": _KV_PLAIN, "fp16": _KV_PLAIN, "bf16": _KV_PLAIN, "fp8_e4m3": _KV_FP8,
+                      "fp8_ds_mla": _KV_DS}
+
+
 def _kv_mode(kv_cache: torch.Tensor, L: int, R: int) -> int:
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [P, page_size, row]; got shape {tuple(kv_cache.shape)}")
-    if kv_cache.dtype == torch.uint8:
+    try:
+        fmt = cache_format(kv_cache)
+    except TypeError as e:
+        raise ValueError(f"kv_cache: {e}") from None
+    if fmt == "fp8_ds_mla":
         if kv_cache.shape[2] != FP8_DS_MLA_ROW_BYTES or L != 512 or R != 64:
             raise ValueError(f"kv_cache: uint8 caches must use the fp8_ds_mla layout ([P, page, 656], L=512, R=64); "
                              f"got row {kv_cache.shape[2]} with L={L}, R={R}")
-        return _KV_DS
-    if kv_cache.shape[2] != L + R:
+    elif kv_cache.shape[2] != L + R:
         raise ValueError(f"kv_cache: row length {kv_cache.shape[2]} != L + R = {L + R}")
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        return _KV_FP8
-    if kv_cache.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return _KV_PLAIN
-    raise ValueError(f"kv_cache: dtype {kv_cache.dtype} not supported")
+    return _KV_MODE_OF_FORMAT[fmt]
 
 
 def triton_paged_decode(

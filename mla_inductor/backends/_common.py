@@ -1,0 +1,176 @@
+"""What the backends share, in one place: the ops' signature, why a call is refused, the bookkeeping of
+rows and pages every kernel needs, and the fp8 query.
+
+- ``decode_op``: defines a backend's run / plan op on the contract's eight arguments (``contract.
+  DECODE_ARGS_SCHEMA``), with the contract's fake outputs by default, so no backend hand-writes them.
+- ``cuda_reason``, ``static_shape_reason``, ``dims_reason``, ``sm``: the common ``supports`` refusals.
+- ``visible_key_counts`` (how many keys each query row sees), ``compact_sparse`` (valid slots first),
+  ``clamp_pages`` (unused block-table entries may hold anything, -1 included), ``kernel_lengths``
+  (kernels that take a length cannot run 0): what kernels read instead of the caller's tensors.
+- ``finish_empty_rows``: rows that see nothing get out 0 and lse -inf, whatever the kernel wrote.
+- ``quantize_query_fp8``: a query in e4m3 with one scale per tensor, on the device.
+
+The cache format of a tensor is ``mla_inductor.cache.cache_format`` (and its dtype ``cache_dtype``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from mla_inductor._compat import CUDAGRAPH_UNSAFE_TAGS
+from mla_inductor.cache import FP8_E4M3_MAX
+from mla_inductor.contract import DECODE_ARG_NAMES, DECODE_ARGS_SCHEMA, DecodeProblem, empty_decode_outputs
+
+Tensor = torch.Tensor
+
+DEEPSEEK_DIMS = (512, 64)  # (kv_lora_rank, rope_dim) of DeepSeek V2/V3: most libraries' only MLA build
+
+# ----------------------------------------------------------------------------- ops
+
+_RETURNS = {"out_lse": "(Tensor, Tensor)", "out": "Tensor", "tensors": "Tensor[]"}
+_DEFAULT_FAKES: dict[str, Callable] = {
+    "out_lse": lambda *args: empty_decode_outputs(args[0]),
+    "out": lambda *args: empty_decode_outputs(args[0])[0],
+}
+_LIBRARIES: dict[str, torch.library.Library] = {}
+
+
+def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_plan: bool = True,
+              fake: Optional[Callable] = None, host_plan: bool = False):
+    """Define the op ``qualname`` ("namespace::name") on the contract's eight arguments, followed by
+    ``plan: Tensor[]`` when ``takes_plan``, and return its OpOverload (the pass matches nodes by it).
+
+    ``impl(*args)`` computes it; ``returns``: "out_lse" (``(out [T, H, L], lse [T, H] fp32)``), "out" or
+    "tensors" (a plan, or ``[out, lse, *plan]``); ``fake(*args)``: the outputs' shapes (default: the
+    contract's, from ``empty_decode_outputs``; required for "tensors"). ``host_plan``: the op plans on the
+    host with a device sync: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside) and
+    registered with the low-level Library API, without custom_op's Python layers (autograd wrapper,
+    output checks), which were a measurable share of a host plan run every decode step.
+    """
+    namespace, name = qualname.split("::")
+    plan_arg = ", Tensor[] plan" if takes_plan else "=None"  # ops without a plan may omit sparse_indices
+    schema = f"({DECODE_ARGS_SCHEMA}{plan_arg}) -> {_RETURNS[returns]}"
+    fake = fake or _DEFAULT_FAKES[returns]
+    arity = len(DECODE_ARG_NAMES) + takes_plan
+
+    def full(*args):  # the dispatcher leaves out a defaulted sparse_indices
+        return impl(*args, *([None] * (arity - len(args))))
+
+    full.__doc__ = impl.__doc__
+    if host_plan:
+        lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+        lib.define(name + schema, tags=CUDAGRAPH_UNSAFE_TAGS)
+        lib.impl(name, full, "CompositeExplicitAutograd")
+        torch.library.register_fake(qualname, fake, lib=lib)
+    else:
+        torch.library.custom_op(qualname, full, mutates_args=(), schema=schema).register_fake(fake)
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def sm(capability: Optional[tuple[int, int]]) -> str:
+    return "CPU" if capability is None else f"SM{capability[0]}{capability[1]}"
+
+
+def cuda_reason(problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
+    if problem.device_type != "cuda" or capability is None:
+        return f"needs a CUDA GPU, got {problem.device_type}"
+    return None
+
+
+def static_shape_reason(problem: DecodeProblem) -> Optional[str]:
+    """Kernels that plan or cache per head count, page size and Q need them static."""
+    for name, value in (("num_heads", problem.num_heads), ("page_size", problem.page_size),
+                        ("q_per_seq", problem.q_per_seq)):
+        if value is None:
+            return f"needs a static {name} (it is symbolic under dynamic shapes)"
+    if problem.sparse and problem.topk is None:
+        return "needs a static top-k width"
+    return None
+
+
+def dims_reason(problem: DecodeProblem, allowed=(DEEPSEEK_DIMS,)) -> Optional[str]:
+    dims = (problem.kv_lora_rank, problem.rope_dim)
+    if dims not in allowed:
+        wanted = " or ".join(f"{l}/{r}" for l, r in allowed)
+        return f"kv_lora_rank/rope_dim must be {wanted}, got {dims[0]}/{dims[1]}"
+    return None
+
+
+# ----------------------------------------------------------------------------- rows, pages, lengths
+
+def visible_key_counts(seq_lens: Tensor, num_rows: int, sparse_indices: Optional[Tensor] = None,
+                       capacity: int = 0) -> Tensor:
+    """int32 [T]: how many keys query row ``b*Q + j`` sees. Dense: ``max(0, seq_lens[b] - Q + j + 1)``;
+    sparse: its slots in ``[0, capacity)`` (-1 is padding)."""
+    if sparse_indices is not None:
+        valid = (sparse_indices >= 0) & (sparse_indices < capacity)
+        return valid.sum(dim=-1, dtype=torch.int32)
+    q_per_seq = num_rows // seq_lens.shape[0]
+    if q_per_seq == 1:  # one launch instead of five (a host plan pays each launch before its sync)
+        return seq_lens.clamp_min(0).to(torch.int32)
+    j = torch.arange(q_per_seq, device=seq_lens.device, dtype=torch.int32)
+    return (seq_lens[:, None] - q_per_seq + 1 + j).clamp_min(0).reshape(num_rows).to(torch.int32)
+
+
+def compact_sparse(sparse_indices: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+    """Move each row's valid slots (``0 <= slot < capacity``) to its front, keeping their order.
+
+    sparse_indices int32 [T, K] -> (compacted int32 [T, K] with 0 in the tail, counts int32 [T]).
+    Kernels that take a per-row length read a prefix, while the contract allows -1 anywhere; the
+    permutation is a cumsum and a scatter (no sort, no host sync). The tail holds slot 0, a real
+    slot, so a kernel that reads one entry too many (or a row of count 0 given length 1) stays in bounds.
+    """
+    idx = sparse_indices
+    valid = (idx >= 0) & (idx < capacity)
+    ranks = valid.to(torch.int32).cumsum(1, dtype=torch.int32)  # valid entries up to and including k
+    counts = ranks[:, -1].contiguous()
+    k = torch.arange(idx.shape[1], device=idx.device, dtype=torch.int32)
+    dest = torch.where(valid, ranks - 1, counts[:, None] + k - ranks)
+    compacted = torch.empty_like(idx).scatter_(1, dest.long(), idx)
+    compacted = torch.where(k[None, :] < counts[:, None], compacted, torch.zeros_like(compacted))
+    return compacted, counts
+
+
+def clamp_pages(block_table: Tensor, num_pages: int, out: Optional[Tensor] = None) -> Tensor:
+    """The block table with every entry clamped into ``[0, num_pages)``: entries past a sequence's last
+    page may hold anything (-1 included); clamped, a kernel's stray read stays inside the cache."""
+    return torch.clamp(block_table, 0, num_pages - 1, out=out)
+
+
+def kernel_lengths(lengths: Tensor) -> Tensor:
+    """Lengths of at least 1: kernels that take a length per request cannot run (or fault on) 0; those
+    rows see nothing by the contract and are finished by ``finish_empty_rows``."""
+    return lengths.clamp_min(1)
+
+
+def finish_empty_rows(out: Tensor, lse: Tensor, counts: Tensor) -> None:
+    """Rows that see no key get out 0 and lse -inf, whatever the kernel wrote (in place, on device).
+    On CUDA a Triton kernel touches only the empty rows (a masked_fill would rewrite all of ``out``)."""
+    if out.is_cuda and out.is_contiguous() and lse.is_contiguous():
+        from mla_inductor.kernels.empty_rows import zero_empty_rows
+
+        zero_empty_rows(out, lse, counts)
+        return
+    empty = counts == 0
+    out.masked_fill_(empty[:, None, None], 0)
+    lse.masked_fill_(empty[:, None], float("-inf"))
+
+
+# ----------------------------------------------------------------------------- fp8 query
+
+def quantize_query_fp8(q: Tensor) -> tuple[Tensor, Tensor]:
+    """q (any shape) -> (float8_e4m3fn contiguous copy, descale fp32 [1]) with one scale per tensor,
+    ``max(amax(|q|) / 448, tiny)``, all on the device: two Triton kernels on CUDA (``kernels.fp8_query``),
+    torch in fp32 elsewhere. For kernels that take q in fp8 with one descale (FlashMLA's dense FP8 decode,
+    trtllm-gen and XQA with an fp8 cache)."""
+    if q.is_cuda:
+        from mla_inductor.kernels.fp8_query import quantize_per_tensor_e4m3
+
+        return quantize_per_tensor_e4m3(q)
+    q = q.float()
+    descale = (q.abs().amax() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    return (q / descale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), descale
