@@ -1,13 +1,13 @@
 """What the compiler pass costs: compiled ``mla.paged_decode`` vs the peers called directly, and a
 61-layer decode step under CUDA graphs vs the same kernels called by hand with one plan.
 
-Usage (GPU machine, project root):
-    source .gpu-deps/env.sh; python -m mla_inductor.bench_pass [--quick] [--layers 61]
-        [--backends chosen,flashmla,flashinfer_fa3] [--cases 0-3 | --case var,64,16,8192 ...]
-        [--formats bf16,fp8_e4m3] [--no-sparse] [--no-step]
+    python benchmarks/bench_pass.py [--quick] [--layers 61] [--backends chosen,flashmla,flashinfer_fa3]
+        [--cases 0-3 | --case var,64,16,8192 ...] [--formats bf16,fp8_e4m3] [--no-sparse] [--no-step]
+        [--out DIR]
 
-Cases and peers come from ``.gpu-deps/peers.py`` (imported) and are timed in the same run, the same
-way (do_bench median, warmup=25, rep=200). For each case, cache format and backend:
+Cases and peers come from ``benchmarks/peers.py`` (peers found by import; one not installed is reported
+and skipped) and are timed in the same run, the same way (do_bench median, warmup=25, rep=200). For
+each case, cache format and backend:
 
 - ``per call``: a compiled step (CUDA graphs, ``mode="reduce-overhead"``) making ``--layers`` calls
   that share block_table / seq_lens, as the layers of one forward do, each on its own query and its own
@@ -22,7 +22,7 @@ way (do_bench median, warmup=25, rep=200). For each case, cache format and backe
   costs, and ``peer/ours`` what the acceptance line compares.
 
 The ratio is best peer time / ours (>= 1: the compiled op is at least as fast). ``chosen`` is the
-backend the selection table picks here. Everything printed also goes to $OUT/bench_pass.txt.
+backend the selection table picks here. ``--out DIR`` writes bench_pass.md and bench_pass.json.
 """
 
 from __future__ import annotations
@@ -30,20 +30,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
-import time
 import traceback
 from typing import Optional
 
+import peers as peer_kernels
 import torch
+from report import (
+    add_out_argument,
+    environment,
+    environment_line,
+    markdown_table,
+    median_ms,
+    progress,
+    relative_error,
+    require_gpu,
+    write_results,
+)
+
+import mla_inductor
 
 D_CKV = 512
-
-
-def _bench(fn):
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+_bench = median_ms
+_err = relative_error
+RECORDS: list = []  # one dict per compiled backend and case, for --out
 
 
 def _mark_static(tensors) -> None:
@@ -54,14 +63,8 @@ def _mark_static(tensors) -> None:
             torch._dynamo.mark_static_address(t)
 
 
-def _err(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices) -> str:
-    from mla_inductor.selection import backend_for_call
-
-    return backend_for_call(q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale,
+    return mla_inductor.backend_for_call(q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale,
                             sparse_indices).backend
 
 
@@ -94,8 +97,6 @@ def compile_calls(backend: str, calls: int, q, kv_cache, block_table, seq_lens, 
                   sparse_indices=None):
     """(step, args, output of the first call) of a compiled CUDA-graph step making ``calls`` calls on
     ``backend`` (None: the table's choice), already compiled and recorded."""
-    import mla_inductor
-
     qs = [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
     caches = layer_caches(kv_cache, calls)
     args = (qs, caches, block_table, seq_lens, kv_scale, sparse_indices)
@@ -157,6 +158,9 @@ def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = No
             fn = make(c)
             fn()
             times[name] = _bench(fn)
+        except peer_kernels.PeerMissing as e:
+            print(f"  peer {name}: not installed: {e}", flush=True)
+            continue
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
             print(f"  peer {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
@@ -209,10 +213,15 @@ def per_call_rows(label: str, makers: dict, c, q, kv_cache, block_table, seq_len
     for name in _candidates(wanted, chosen, problem_args):
         try:
             ms, out = time_compiled(name, layers, q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
-            single = ""
+            single, ms1 = "", None
             if name == chosen:
                 ms1, _ = time_compiled(name, 1, q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
                 single = f"  1 call {ms1 * 1e3:7.1f} us ({best / ms1:5.3f})"
+            RECORDS.append(dict(case=label, backend=name, chosen=name == chosen, us_per_call=ms * 1e3,
+                                best_peer=best_name, peer_us=best * 1e3 if best_name else None,
+                                peer_over_ours=best / ms if best_name else None, graphed_peer=graphed_name,
+                                graphed_over_ours=graphed / ms if graphed_name else None,
+                                us_one_call=ms1 * 1e3 if ms1 else None, rel_err=_err(out, ref)))
             in_graph = (f"  graphed peer {graphed_name} {graphed * 1e3:.1f} us  graphed/ours={graphed / ms:5.3f}"
                         if graphed_name else "")
             row = (f"  ours {name + ('*' if name == chosen else ''):<18} per call {ms * 1e3:7.1f} us  "
@@ -262,7 +271,6 @@ def sparse_rows(peers, layers: int, wanted: list[str], rows: list) -> None:
 def layered_step_overhead(peers, layers: int, B: int, H: int, S: int, rows: list) -> None:
     """A decode step of ``layers`` attention calls sharing block_table/seq_lens: compiled with CUDA graphs
     (mode="reduce-overhead") vs the chosen backend's ops called by hand with one plan, captured."""
-    import mla_inductor.lowering  # noqa: F401  installs the pass
     from mla_inductor.backends import get_backend
 
     c = peers.make_case(B, H, S)
@@ -325,6 +333,8 @@ def layered_step_overhead(peers, layers: int, B: int, H: int, S: int, rows: list
            f"by hand (one plan, captured) {t_hand*1e3:8.1f} us, overhead {100 * (t_compiled / t_hand - 1):+.1f}%")
     print(row, flush=True)
     rows.append(row)
+    RECORDS.append(dict(case=f"{layers}-layer step B={B} H={H} S={S}", backend=chosen, chosen=True,
+                        step_us=t_compiled * 1e3, by_hand_us=t_hand * 1e3, overhead=t_compiled / t_hand - 1))
 
 
 def _select(cases, spec: str):
@@ -335,10 +345,6 @@ def _select(cases, spec: str):
 
 
 def main(argv=None) -> None:
-    import mla_inductor.lowering  # noqa: F401  installs the pass
-    from mla_inductor.backends import library_versions
-    from mla_inductor.bench import _load_peers
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="peers.QUICK cases only")
     p.add_argument("--layers", type=int, default=61, help="calls per compiled step (DeepSeek-V3: 61)")
@@ -350,28 +356,34 @@ def main(argv=None) -> None:
     p.add_argument("--formats", default="bf16,fp8_e4m3", help="cache formats of the dense cases")
     p.add_argument("--no-sparse", action="store_true")
     p.add_argument("--no-step", action="store_true", help="skip the 61-layer overhead rows")
+    add_out_argument(p)
     args = p.parse_args(argv)
-    peers = _load_peers()
+    require_gpu("bench_pass.py")
+    peers = peer_kernels
     wanted = [n.strip() for n in args.backends.split(",") if n.strip()]
-    versions = ", ".join(f"{k} {v}" for k, v in library_versions(("triton",)).items() if v)
-    rows = [f"# {torch.cuda.get_device_name()} torch {torch.__version__}, {versions}, {time.strftime('%Y-%m-%d')}",
+    env = environment(("flashinfer", "flash_mla", "vllm"))
+    rows = [f"# {environment_line(env)}",
             f"# per call = a compiled CUDA-graph step of {args.layers} calls / {args.layers}; * = the table's choice"]
-    print("\n".join(rows), flush=True)
+    progress("\n".join(rows))
     cases = [tuple(int(x) if x != "var" else x for x in spec.split(",")) for spec in args.case] or _select(
         peers.QUICK if args.quick else peers.FULL, args.cases)
-    sections = [lambda: dense_rows(peers, cases, args.layers, wanted, rows, tuple(args.formats.split(",")))]
+    sections = [("dense", lambda: dense_rows(peers, cases, args.layers, wanted, rows,
+                                              tuple(args.formats.split(","))))]
     if not args.no_sparse:
-        sections.append(lambda: sparse_rows(peers, args.layers, wanted, rows))
+        sections.append(("sparse", lambda: sparse_rows(peers, args.layers, wanted, rows)))
     if not args.no_step:
-        sections += [lambda B=B: layered_step_overhead(peers, args.layers, B, 128, 4096, rows) for B in (16, 64)]
-    for section in sections:
+        sections += [(f"{args.layers}-layer step B={B}",
+                      lambda B=B: layered_step_overhead(peers, args.layers, B, 128, 4096, rows)) for B in (16, 64)]
+    for name, section in sections:
+        progress(f"## {name}")
         try:
             section()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_pass.txt"), "w") as f:
-            f.write("\n".join(rows) + "\n")
+    columns = ["case", "backend", "chosen", "us_per_call", "best_peer", "peer_us", "peer_over_ours", "graphed_peer",
+               "graphed_over_ours", "us_one_call", "rel_err", "step_us", "by_hand_us", "overhead"]
+    markdown = "\n".join([f"Compiled op vs the peers, {environment_line(env)}", "", markdown_table(columns, RECORDS)])
+    write_results(args.out, "bench_pass", markdown, {"environment": env, "rows": RECORDS, "log": rows})
 
 
 if __name__ == "__main__":

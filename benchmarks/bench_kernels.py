@@ -1,52 +1,48 @@
-"""Benchmark our Triton MLA paged decode against the peer kernels on the same shapes.
+"""Our Triton MLA paged decode kernel against the peer kernels, called directly, on the same shapes.
 
-Usage (GPU machine, project root):
-    source .gpu-deps/env.sh; python -m mla_inductor.bench [--quick] [--ours-only] [--no-sparse] [--sweep]
+    python benchmarks/bench_kernels.py [--quick] [--ours-only] [--no-sparse] [--only=flashmla,...] [--out DIR]
+    python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
 
-Shapes, cases, references and the peers come from ``.gpu-deps/peers.py`` (imported, not copied), so our
-rows and the peers' rows are measured the same way: ``triton.testing.do_bench`` median, warmup=25, rep=200.
-Each of our rows shows its relative L2 error against the fp32 reference (fp8 rows: against the reference
-on the dequantized cache), achieved GB/s (KV bytes only, as the peer table counts them), TFLOP/s, and
-``floor``: measured time over max(bytes / 3.0 TB/s, FLOPs / 989 TFLOP/s), the H100 bound.
-The table goes to stdout and, when $OUT is set, to $OUT/bench.txt with a plot $OUT/bench.png.
-``--sweep`` instead times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
+Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
+not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
+median, warmup=25, rep=200. Each row shows its relative L2 error against the fp32 reference (fp8 rows:
+against the reference on the dequantized cache), achieved GB/s (KV bytes only), TFLOP/s, and ``floor``:
+measured time over max(bytes / HBM_BPS, FLOPs / PEAK_FLOPS), the H100 SXM bound (other GPUs: read the
+ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a plot, with matplotlib).
+``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
 import traceback
 
+import peers as pm
 import torch
+from report import (
+    environment,
+    environment_line,
+    markdown_table,
+    median_ms,
+    progress,
+    relative_error,
+    require_gpu,
+    write_results,
+)
 
-HBM_BPS = 3.0e12  # H100 SXM device-to-device copy, measured on the lent machine (KINDS.md)
+HBM_BPS = 3.0e12  # H100 SXM device-to-device copy bandwidth (measured)
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16 datasheet
 D_CKV, D_PE = 512, 64
-
-
-def _load_peers():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for base in (os.getcwd(), root):
-        path = os.path.join(base, ".gpu-deps")
-        if os.path.exists(os.path.join(path, "peers.py")):
-            if path not in sys.path:
-                sys.path.insert(0, path)
-            return importlib.import_module("peers")
-    raise RuntimeError(".gpu-deps/peers.py not found (run from the project root)")
-
-
-def _err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+_err = relative_error
+_bench = median_ms
 
 
 def _ours(c, kind, config=None):
     """Closure running our kernel on a peers.make_case case; returns (fn, reference, bytes per token)."""
     from mla_inductor.kernels.decode import triton_paged_decode
 
-    pm = _PEERS
     q = c["q"]
     qn, qp = q[..., :D_CKV], q[..., D_CKV:]
     one = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -71,7 +67,6 @@ def _ours(c, kind, config=None):
 def _ours_sparse(c, kind, config=None):
     from mla_inductor.kernels.decode import triton_paged_decode
 
-    pm = _PEERS
     q = c["q"]
     qn, qp = q[..., :D_CKV], q[..., D_CKV:]
     one = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -87,24 +82,28 @@ def _ours_sparse(c, kind, config=None):
     return run, ref, per_tok
 
 
-def _bench(fn):
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+RECORDS: list = []  # one dict per measured row, for --out
 
 
 def _row(label, name, ms, kv_bytes, flops, err, extra=""):
     floor = max(kv_bytes / HBM_BPS, flops / PEAK_FLOPS) * 1e3
+    RECORDS.append(dict(case=" ".join(label.split()), kernel=name, us=ms * 1e3, gb_per_s=kv_bytes / ms / 1e6,
+                        tflop_per_s=flops / ms / 1e9, rel_err=err, over_floor=ms / floor))
     return (f"{label} {name:<22} {ms*1e3:9.1f} us {kv_bytes/ms/1e6:7.0f} GB/s {flops/ms/1e9:6.1f} TF/s "
             f"err={err:.1e} floor={ms/floor:4.2f}x{extra}")
 
 
-_PEERS = None
+def _failed(label, name, e) -> str:
+    if isinstance(e, pm.PeerMissing):
+        return f"{label} {name}: not installed: {e}"
+    traceback.print_exc(limit=3)
+    return f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
+
+
 OURS = ("triton_bf16", "triton_fp8", "triton_ds")
 
 
 def run_dense(cfgs, peer_names, rows, results):
-    pm = _PEERS
     broken = set()
     for cfg in cfgs:
         varlen = cfg[0] == "var"
@@ -138,14 +137,12 @@ def run_dense(cfgs, peer_names, rows, results):
             except Exception as e:  # a peer (or variant) that cannot run here is reported, not fatal
                 if name not in OURS:
                     broken.add(name)
-                row = f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc(limit=3)
+                row = _failed(label, name, e)
             print(row, flush=True)
             rows.append(row)
 
 
 def run_sparse(peer_names, rows, results):
-    pm = _PEERS
     for B, H, S, topk in pm.SPARSE:
         c = pm.sparse_case(B, H, S, topk)
         label = f"sparse B={B:<4} H={H:<4} S={S:<6} topk={topk}"
@@ -165,8 +162,7 @@ def run_sparse(peer_names, rows, results):
                 row = _row(label, name, ms, B * topk * per_tok, flops, err)
                 results.setdefault(label, {})[name] = ms * 1e3
             except Exception as e:  # noqa: BLE001
-                row = f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc(limit=3)
+                row = _failed(label, name, e)
             print(row, flush=True)
             rows.append(row)
 
@@ -230,7 +226,6 @@ def sweep(out_dir):
     """Time launch configs on the tuning shapes; prints one line per (shape, kind, config)."""
     from mla_inductor.kernels import decode as tk
 
-    pm = _PEERS
     DC = tk.DecodeConfig
     def D(bh, bn, w, st, ns=1, qk="auto", f16=None):
         return DC(bh, bn, ns, w, st, fp8_qk=qk, fp16_mma=f16)
@@ -267,9 +262,7 @@ def sweep(out_dir):
                     line = f"sweep B={B} H={H} {kind} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}"
                 print(line, flush=True)
                 lines.append(line)
-    if out_dir:
-        with open(os.path.join(out_dir, "sweep.txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_results(out_dir, "bench_kernels_sweep", "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
 def overhead(out_dir):
@@ -280,7 +273,6 @@ def overhead(out_dir):
     """
     import triton
 
-    pm = _PEERS
     lines = []
     for (B, H, S) in [(1, 128, 4096), (16, 128, 4096), (64, 128, 4096), (1, 16, 4096), (32, 16, 4096),
                       (128, 16, 4096)]:
@@ -305,24 +297,20 @@ def overhead(out_dir):
                 line = f"overhead B={B} H={H} {kind}: FAILED {type(e).__name__}: {str(e)[:200]}"
             print(line, flush=True)
             lines.append(line)
-    if out_dir:
-        with open(os.path.join(out_dir, "overhead.txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_results(out_dir, "bench_kernels_overhead", "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
 def main(argv=None):
-    global _PEERS
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("mla_inductor.bench needs a CUDA GPU (torch.cuda.is_available() is False)")
-    import triton
-
-    _PEERS = _load_peers()
-    out_dir = os.environ.get("OUT")
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    require_gpu("bench_kernels.py")
+    out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
+    if "--out" in argv:
+        out_dir = argv[argv.index("--out") + 1]
+    env = environment(("flashinfer", "flash_mla", "vllm"))
+    progress(f"# {environment_line(env)}")
     if "--sweep" in argv:
         sweep(out_dir)
         return
@@ -331,18 +319,22 @@ def main(argv=None):
         return
     quick = "--quick" in argv
     only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]
-    peer_names = [] if "--ours-only" in argv else [n for n in _PEERS.PEERS if not only or n in only[0]]
-    sparse_peers = [] if "--ours-only" in argv else list(_PEERS.SPARSE_PEERS)
+    peer_names = [] if "--ours-only" in argv else [n for n in pm.PEERS if not only or n in only[0]]
+    sparse_peers = [] if "--ours-only" in argv else list(pm.SPARSE_PEERS)
     rows, results = [], {}
-    run_dense(_PEERS.QUICK if quick else _PEERS.FULL, peer_names, rows, results)
+    run_dense(pm.QUICK if quick else pm.FULL, peer_names, rows, results)
     if "--no-sparse" not in argv:
         run_sparse(sparse_peers, rows, results)
-    rows += targets(results)
+    checks = targets(results)
+    rows += checks
     print("\n".join(["", "# summary"] + rows), flush=True)
+    columns = ["case", "kernel", "us", "gb_per_s", "tflop_per_s", "rel_err", "over_floor"]
+    markdown = "\n".join([f"Kernels called directly, {environment_line(env)}", "", markdown_table(columns, RECORDS),
+                          "", *[f"- {line}" for line in checks]])
+    write_results(out_dir, "bench_kernels", markdown, {"environment": env, "rows": RECORDS, "targets": checks,
+                                                      "log": rows})
     if out_dir:
-        with open(os.path.join(out_dir, "bench.txt"), "w") as f:
-            f.write("\n".join(rows) + "\n")
-        plot(results, os.path.join(out_dir, "bench.png"))
+        plot(results, os.path.join(out_dir, "bench_kernels.png"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """End-to-end decode step of a DeepSeek-V3-shaped HF model: HF eager vs HF compiled vs patched on the op.
 
-    python -m mla_inductor.bench_e2e                       # GPU: B in {1, 16, 64}, context 4096
-    python -m mla_inductor.bench_e2e --small --device cpu  # a seconds-long smoke run of the script itself
+    python benchmarks/bench_e2e.py [--out DIR]                # GPU: B in {1, 16, 64}, context 4096
+    python benchmarks/bench_e2e.py --small --device cpu       # a seconds-long smoke run of the script itself
 
 The model: DeepSeek-V3's attention at real dims (H=128 heads, kv_lora_rank L=512, rope R=64, nope 128,
 v 128, hidden 7168, q_lora_rank 1536) with few layers (``--layers``, default 4), random weights, a *dense*
@@ -20,7 +20,7 @@ Variants (each needs transformers >= 5):
 Reports ms per step, the attention share of it (all layers' attention modules timed on their own, the
 same way as the step: projections, cache write and read, attention), KV-cache bytes per token (per layer
 and for the model), and which kernel the Inductor pass chose. A configuration that fails prints its
-error and the run goes on. Writes the markdown table to stdout and ``$OUT/e2e.md`` (or ``--out``).
+error and the run goes on. Prints the markdown table; ``--out DIR`` also writes bench_e2e.md and .json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from report import add_out_argument, environment, progress, write_results
 
 from mla_inductor.cache import token_width
 
@@ -254,7 +254,7 @@ def run_job(model, args, name: str, batch: int, device, cudagraphs: Optional[boo
 
 def run_isolated(argv: list, name: str, batch: int, extra: tuple = ()) -> Row:
     """One configuration in a fresh interpreter; its output is passed through, its result parsed."""
-    cmd = [sys.executable, "-m", "mla_inductor.bench_e2e", *argv, *extra, "--job", f"{name}:{batch}"]
+    cmd = [sys.executable, __file__, *argv, *extra, "--job", f"{name}:{batch}"]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     result = None
     for line in proc.stdout.splitlines():
@@ -296,8 +296,14 @@ def main(argv=None) -> None:
                    help="run every configuration in this process (default: one subprocess each, so a crash, "
                         "an OOM or a failed CUDA-graph capture cannot poison the next configuration)")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help="markdown file (default: $OUT/e2e.md when OUT is set)")
+    add_out_argument(p)
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench_e2e.py: --device cuda needs a CUDA GPU; torch.cuda.is_available() is False here. "
+                         "Nothing was run.")
+    if not args.device.startswith("cuda") and not args.small:
+        raise SystemExit("bench_e2e.py times a DeepSeek-V3-sized decode step and needs a CUDA GPU; without one "
+                         "only the smoke run works: --small --device cpu. Nothing was run.")
     if args.small:
         args.context, args.layers, args.intermediate, args.vocab = min(args.context, 64), 2, 64, 256
         args.batches = [b for b in args.batches if b <= 4] or [2]
@@ -305,8 +311,6 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-
-    import mla_inductor.lowering  # noqa: F401  (the pass the compiled variants go through)
 
     if args.job:
         name, batch = args.job.split(":")
@@ -325,6 +329,7 @@ def main(argv=None) -> None:
         jobs = [v for v in ("hf-eager", "hf-compile") if v in args.variants]
         jobs += [f"mla-{fmt}" for fmt in args.formats] if "mla" in args.variants else []
         for name in jobs:
+            progress(f"[{name} B={batch}] running")
             t0 = time.perf_counter()
             row = run_isolated(argv, name, batch) if args.isolate else run_job(model, args, name, batch, device)
             if row.error and name.startswith("mla-") and device.type == "cuda" and args.cudagraphs:
@@ -334,14 +339,11 @@ def main(argv=None) -> None:
                 row.note += " (CUDA-graph capture failed)"
             rows.append(row)
             status = row.error or f"{row.ms_step:.3f} ms/step, attention {row.ms_attention:.3f} ms"
-            print(f"[{name} B={batch}] {status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            progress(f"[{name} B={batch}] {status} ({time.perf_counter() - t0:.0f} s)")
     table = markdown(rows, args, device_name)
     print(table)
-    out = args.out or (os.path.join(os.environ["OUT"], "e2e.md") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            f.write(table + "\n")
-        print(f"wrote {out}")
+    write_results(args.out, "bench_e2e", table, {"environment": environment(("transformers",)),
+                                                 "rows": [dataclasses.asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,329 @@
+"""The peer MLA decode kernels the benchmarks time ours against, found by import, and the cases they share.
+
+Peers (each needs its library; a missing one raises ``PeerMissing`` with what to install, and the
+benchmark reports it and goes on):
+
+- FlashMLA, vLLM's build: ``vllm.third_party.flashmla.flash_mla_interface`` (dense bf16, sparse
+  fp8_ds_mla) and ``vllm._flashmla_extension_C`` (dense fp8): ``flashmla``, ``flashmla_fp8``,
+  ``flashmla_sparse_fp8``.
+- FlashMLA, the ``flash_mla`` package (DeepSeek's, or the sgl-flash-mla wheel with its SM90 "legacy"
+  kernels): ``sgl_flashmla``, ``sgl_flashmla_fp8``, ``sgl_flashmla_sparse_fp8``.
+- FlashInfer (``flashinfer``): ``BatchMLAPagedAttentionWrapper`` fa2 / fa3, bf16 and fp8 caches, and
+  vLLM's SM90 sparse recipe (page size 1): ``flashinfer_fa2(_fp8)``, ``flashinfer_fa3(_fp8)``,
+  ``flashinfer_fa3_sparse``.
+- vLLM's Triton MLA decode (``vllm.v1.attention.ops.triton_decode_attention``): ``vllm_triton_bf16``,
+  ``vllm_triton_fp8``.
+
+Cases are DeepSeek-V3 shaped (kv_lora_rank 512, rope 64, page 64) with scattered pages, bf16 q and
+cache; ``reference`` / ``sparse_reference`` compute the fp32 result each kernel is checked against.
+Every peer maker takes a case and returns a zero-argument function running one call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+
+import torch
+
+D_CKV, D_PE = 512, 64
+D_QK = D_CKV + D_PE
+PAGE = 64
+FP8_MAX = 448.0
+
+# (B, H, S) cases, ("var", B, H, S) for lengths drawn from [S/8, S]; sparse cases are (B, H, S, top-k).
+FULL = [(1, 128, 4096), (16, 128, 4096), (64, 128, 4096), (128, 128, 4096), (128, 128, 1024),
+        (32, 128, 16384), (1, 16, 4096), (32, 16, 4096), (128, 16, 4096), (64, 64, 8192),
+        ("var", 64, 128, 8192)]
+QUICK = [(64, 128, 4096), (32, 16, 4096)]
+SPARSE = [(32, 128, 16384, 2048), (128, 128, 16384, 2048), (64, 64, 32768, 2048)]
+
+
+class PeerMissing(RuntimeError):
+    """A peer's library is not installed (the message says which and how to get it)."""
+
+
+def require(module: str, install: str):
+    """Import ``module`` or raise PeerMissing naming the package that provides it."""
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise ModuleNotFoundError(module)
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise PeerMissing(f"{module} is not installed ({install}): {type(e).__name__}: {e}") from None
+
+
+def _flashinfer():
+    return require("flashinfer", "pip install flashinfer-python")
+
+
+def _vllm_flashmla():
+    return require("vllm.third_party.flashmla.flash_mla_interface", "vLLM's FlashMLA build: pip install vllm")
+
+
+def _vllm_flashmla_fp8_ops():
+    require("vllm._flashmla_extension_C", "vLLM's dense FP8 FlashMLA: pip install vllm")
+    return torch.ops._flashmla_extension_C
+
+
+def _flash_mla():
+    return require("flash_mla", "DeepSeek's FlashMLA package, or pip install sgl-flash-mla")
+
+
+# ----------------------------------------------------------------------------- cases and references
+
+def make_case(B: int, H: int, S: int, page: int = PAGE, varlen: bool = False, seed: int = 0) -> dict:
+    """q [B, H, 576] and a bf16 cache [P, page, 576] with scattered pages (some unused), on the GPU."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = torch.randint(max(1, S // 8), S + 1, (B,), generator=g) if varlen else torch.full((B,), S)
+    pages_per = (lens + page - 1) // page
+    total = int(pages_per.sum())
+    perm = torch.randperm(total + 7, generator=g)[:total]
+    block_table = torch.zeros(B, int(pages_per.max()), dtype=torch.int32)
+    used = 0
+    for b in range(B):
+        n = int(pages_per[b])
+        block_table[b, :n] = perm[used:used + n].int()
+        used += n
+    cache = torch.randn(total + 7, page, D_QK, generator=g).to(torch.bfloat16)
+    q = (torch.randn(B, H, D_QK, generator=g) * 0.5).to(torch.bfloat16)
+    return dict(B=B, H=H, S=S, page=page, lens=lens.int().cuda(), block_table=block_table.cuda(),
+                cache=cache.cuda(), q=q.cuda(), scale=1.0 / math.sqrt(192))
+
+
+def reference(c: dict, cache=None) -> torch.Tensor:
+    """fp32 attention output [B, H, 512] of a dense case (each sequence's first ``lens[b]`` positions)."""
+    cache = c["cache"] if cache is None else cache
+    outs = []
+    for b in range(c["B"]):
+        n = int(c["lens"][b])
+        pages = c["block_table"][b, : (n + c["page"] - 1) // c["page"]].long()
+        kv = cache[pages].reshape(-1, D_QK)[:n].float()
+        s = (c["q"][b].float() @ kv.T) * c["scale"]
+        outs.append(torch.softmax(s, -1) @ kv[:, :D_CKV])
+    return torch.stack(outs)
+
+
+def fp8_cache(c: dict):
+    """(the cache in e4m3 with one per-tensor scale, the scale); also keeps the reference on its
+    dequantized values in ``c["ref_fp8"]``."""
+    if "cache_fp8" not in c:
+        k_scale = (c["cache"].abs().amax().float() / FP8_MAX).reshape(())
+        c["k_scale"] = k_scale
+        c["cache_fp8"] = (c["cache"].float() / k_scale).to(torch.float8_e4m3fn)
+        c["ref_fp8"] = reference(c, (c["cache_fp8"].float() * k_scale).to(torch.bfloat16))
+    return c["cache_fp8"], c["k_scale"]
+
+
+def _fp8_query(c: dict, cache, k_scale):
+    """q in e4m3 (per-tensor scale) for kernels that take it so; the reference on the dequantized q and
+    cache goes to ``c["ref_fp8q"]``."""
+    q_scale = (c["q"].abs().amax().float() / FP8_MAX).reshape(1)
+    q = (c["q"].float() / q_scale).to(torch.float8_e4m3fn)
+    qd = (q.float() * q_scale).to(torch.bfloat16)
+    c["ref_fp8q"] = reference(dict(c, q=qd), (cache.float() * k_scale).to(torch.bfloat16))
+    return q.unsqueeze(1), q_scale
+
+
+def ds_mla_cache(cache: torch.Tensor):
+    """[P, page, 576] bf16 -> ([P, page, 656] uint8 fp8_ds_mla rows, their dequantized bf16 copy)."""
+    P, page, _ = cache.shape
+    lat = cache[..., :D_CKV].float().reshape(P, page, 4, 128)
+    scale = (lat.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-8)
+    q8 = (lat / scale).to(torch.float8_e4m3fn)
+    out = torch.empty(P, page, 656, dtype=torch.uint8, device=cache.device)
+    out[..., :512] = q8.reshape(P, page, 512).view(torch.uint8)
+    out[..., 512:528] = scale.reshape(P, page, 4).contiguous().view(torch.uint8)
+    out[..., 528:] = cache[..., D_CKV:].contiguous().view(torch.uint8)
+    deq = torch.cat([(q8.float() * scale).reshape(P, page, 512), cache[..., D_CKV:].float()], -1)
+    return out, deq.to(torch.bfloat16)
+
+
+def sparse_case(B: int, H: int, S: int, topk: int, seed: int = 0) -> dict:
+    """A dense case plus ``indices`` [B, topk]: random distinct slots of each sequence."""
+    c = make_case(B, H, S, seed=seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    idx = torch.empty(B, topk, dtype=torch.int32)
+    bt = c["block_table"].cpu()
+    for b in range(B):
+        pos = torch.randperm(S, generator=g)[:topk].sort().values
+        idx[b] = (bt[b, pos // PAGE] * PAGE + pos % PAGE).int()
+    c["indices"] = idx.cuda()
+    return c
+
+
+def sparse_reference(c: dict, cache: torch.Tensor) -> torch.Tensor:
+    kv = cache.reshape(-1, D_QK).float()[c["indices"].long()]  # [B, topk, 576]
+    s = torch.einsum("bhd,bkd->bhk", c["q"].float(), kv) * c["scale"]
+    return torch.einsum("bhk,bkd->bhd", torch.softmax(s, -1), kv[..., :D_CKV])
+
+
+# ----------------------------------------------------------------------------- dense peers
+
+def peer_flashmla(c: dict):
+    fm = _vllm_flashmla()
+    q, kc = c["q"].unsqueeze(1), c["cache"].unsqueeze(2)
+    meta, _ = fm.get_mla_metadata()
+    return lambda: fm.flash_mla_with_kvcache(q, kc, c["block_table"], c["lens"], D_CKV, meta, None,
+                                             softmax_scale=c["scale"], causal=False)[0].squeeze(1)
+
+
+def peer_flashmla_fp8(c: dict):
+    ops = _vllm_flashmla_fp8_ops()
+    cache, k_scale = fp8_cache(c)
+    q, q_scale = _fp8_query(c, cache, k_scale)
+    md, splits = ops.get_mla_decoding_metadata_dense_fp8(c["lens"], c["H"], 1)
+    kc = cache.unsqueeze(2)
+    return lambda: ops.fwd_kvcache_mla_fp8(q, kc, D_CKV, c["lens"], c["block_table"], c["scale"], False, md, splits,
+                                           q_scale, k_scale.reshape(1))[0].squeeze(1)
+
+
+def peer_sgl_flashmla(c: dict):
+    fm = _flash_mla()
+    q, kc = c["q"].unsqueeze(1), c["cache"].unsqueeze(2)
+    meta, _ = fm.get_mla_metadata()
+    return lambda: fm.flash_mla_with_kvcache(q, kc, c["block_table"], c["lens"], D_CKV, meta, None,
+                                             softmax_scale=c["scale"], causal=False, use_legacy=True)[0].squeeze(1)
+
+
+def peer_sgl_flashmla_fp8(c: dict):
+    fm = _flash_mla()
+    cache, k_scale = fp8_cache(c)
+    q, q_scale = _fp8_query(c, cache, k_scale)
+    meta, _ = fm.get_mla_metadata()
+    meta.tile_scheduler_metadata, meta.num_splits = fm.get_mla_decoding_metadata(
+        c["lens"], c["H"], 1, is_fp8_kvcache=True, use_legacy=True)
+    kc = cache.unsqueeze(2)
+    return lambda: fm.flash_mla_with_kvcache(q, kc, c["block_table"], c["lens"], D_CKV, meta, None,
+                                             softmax_scale=c["scale"], causal=False, is_fp8_kvcache=True,
+                                             use_legacy=True, descale_q=q_scale,
+                                             descale_k=k_scale.reshape(1))[0].squeeze(1)
+
+
+_WORKSPACE: dict = {}
+
+
+def _workspace() -> torch.Tensor:
+    return _WORKSPACE.setdefault("ws", torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+
+
+def peer_flashinfer(backend: str, fp8: bool = False):
+    """A maker for FlashInfer's MLA wrapper (backend "fa2" or "fa3"), planned once, outside the timing."""
+
+    def make(c: dict):
+        fi = _flashinfer()
+        w = fi.mla.BatchMLAPagedAttentionWrapper(_workspace(), backend=backend)
+        B, page = c["B"], c["page"]
+        npages = (c["lens"] + page - 1) // page
+        kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+        kv_indptr[1:] = torch.cumsum(npages, 0)
+        used = torch.arange(c["block_table"].shape[1], device="cuda")[None, :] < npages[:, None]
+        qo_indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+        cache, scales = c["cache"], {}
+        if fp8:
+            cache, k_scale = fp8_cache(c)
+            scales = dict(ckv_scale=float(k_scale), kpe_scale=float(k_scale))
+        w.plan(qo_indptr, kv_indptr, c["block_table"][used].int(), c["lens"], c["H"], D_CKV, D_PE, page, False,
+               c["scale"], torch.bfloat16, cache.dtype)
+        ckv, kpe = cache[..., :D_CKV], cache[..., D_CKV:]
+        qn, qp = c["q"][..., :D_CKV].contiguous(), c["q"][..., D_CKV:].contiguous()
+        out = torch.empty(B, c["H"], D_CKV, dtype=torch.bfloat16, device="cuda")
+        return lambda: w.run(qn, qp, ckv, kpe, out=out, **scales)
+
+    return make
+
+
+def peer_vllm_triton(fp8: bool):
+    """A maker for vLLM's Triton MLA decode (split count as vLLM picks it for the longest sequence)."""
+
+    def make(c: dict):
+        decode_attention_fwd = require("vllm.v1.attention.ops.triton_decode_attention",
+                                       "pip install vllm").decode_attention_fwd
+        import triton
+
+        B, H = c["B"], c["H"]
+        cache, k_scale = c["cache"], torch.tensor(1.0, device="cuda")
+        if fp8:
+            cache, k_scale = fp8_cache(c)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        splits = min(triton.next_power_of_2(max(1, int(c["lens"].max()) // 512)), sms * 2)
+        o = torch.zeros(B, H, D_CKV, dtype=torch.bfloat16, device="cuda")
+        lse = torch.zeros(B, H, dtype=torch.bfloat16, device="cuda")
+        logits = torch.empty(B, H, splits, D_CKV + 1, dtype=torch.float32, device="cuda")
+        kb = cache.unsqueeze(2)
+
+        def run():
+            decode_attention_fwd(c["q"], kb, kb[..., :D_CKV], o, lse, c["block_table"], c["lens"], logits, splits,
+                                 c["scale"], c["page"], k_scale=k_scale, v_scale=k_scale, is_mla=True)
+            return o
+
+        return run
+
+    return make
+
+
+PEERS = {
+    "flashmla": peer_flashmla,
+    "flashinfer_fa2": peer_flashinfer("fa2"),
+    "flashinfer_fa3": peer_flashinfer("fa3"),
+    "flashinfer_fa2_fp8": peer_flashinfer("fa2", fp8=True),
+    "flashinfer_fa3_fp8": peer_flashinfer("fa3", fp8=True),
+    "flashmla_fp8": peer_flashmla_fp8,
+    "sgl_flashmla": peer_sgl_flashmla,
+    "sgl_flashmla_fp8": peer_sgl_flashmla_fp8,
+    "vllm_triton_bf16": peer_vllm_triton(False),
+    "vllm_triton_fp8": peer_vllm_triton(True),
+}
+
+
+def peer_reference(name: str, c: dict) -> torch.Tensor:
+    """The reference a dense peer's output is checked against (fp8 peers: on the dequantized inputs)."""
+    if not name.endswith("fp8"):
+        return c["ref"] if "ref" in c else reference(c)
+    q_ref = c.pop("ref_fp8q", None)
+    return c["ref_fp8"] if q_ref is None else q_ref
+
+
+# ----------------------------------------------------------------------------- sparse peers
+
+def peer_flashmla_sparse(c: dict):
+    fm = _vllm_flashmla()
+    packed, deq = ds_mla_cache(c["cache"])
+    c["ref_sparse"] = sparse_reference(c, deq)
+    q, kc, idx = c["q"].unsqueeze(1), packed.unsqueeze(2), c["indices"].unsqueeze(1)
+    meta, _ = fm.get_mla_metadata()
+    return lambda: fm.flash_mla_with_kvcache(q, kc, None, None, D_CKV, meta, None, softmax_scale=c["scale"],
+                                             causal=False, is_fp8_kvcache=True, indices=idx)[0].squeeze(1)
+
+
+def peer_sgl_flashmla_sparse(c: dict):
+    fm = _flash_mla()
+    packed, deq = ds_mla_cache(c["cache"])
+    c["ref_sparse"] = sparse_reference(c, deq)
+    q, kc, idx = c["q"].unsqueeze(1), packed.unsqueeze(2), c["indices"].unsqueeze(1)
+    meta, _ = fm.get_mla_metadata()
+    return lambda: fm.flash_mla_with_kvcache(q, kc, None, None, D_CKV, meta, None, softmax_scale=c["scale"],
+                                             causal=False, is_fp8_kvcache=True, indices=idx,
+                                             use_legacy=True)[0].squeeze(1)
+
+
+def peer_flashinfer_sparse(c: dict):
+    """vLLM's SM90 FlashInfer sparse recipe: page_size 1, the top-k slots as the page list (bf16 cache)."""
+    fi = _flashinfer()
+    c["ref_sparse"] = sparse_reference(c, c["cache"])
+    w = fi.mla.BatchMLAPagedAttentionWrapper(_workspace(), backend="fa3")
+    B, topk = c["indices"].shape
+    kv_indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda") * topk
+    lens = torch.full((B,), topk, dtype=torch.int32, device="cuda")
+    qo_indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    w.plan(qo_indptr, kv_indptr, c["indices"].reshape(-1), lens, c["H"], D_CKV, D_PE, 1, False, c["scale"],
+           torch.bfloat16, torch.bfloat16)
+    flat = c["cache"].reshape(-1, 1, D_QK)
+    qn, qp = c["q"][..., :D_CKV].contiguous(), c["q"][..., D_CKV:].contiguous()
+    out = torch.empty(B, c["H"], D_CKV, dtype=torch.bfloat16, device="cuda")
+    return lambda: w.run(qn, qp, flat[..., :D_CKV], flat[..., D_CKV:], out=out)
+
+
+SPARSE_PEERS = {"flashmla_sparse_fp8": peer_flashmla_sparse, "flashinfer_fa3_sparse": peer_flashinfer_sparse,
+                "sgl_flashmla_sparse_fp8": peer_sgl_flashmla_sparse}

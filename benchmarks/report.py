@@ -1,0 +1,78 @@
+"""What every benchmark shares: the GPU check, the environment line, timing, and writing results (--out)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def require_gpu(script: str) -> None:
+    """Exit with a clear message (not a traceback) where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} times GPU kernels and needs a CUDA GPU; torch.cuda.is_available() is False "
+                         f"here (torch {torch.__version__}). Nothing was run.")
+
+
+def environment(extra_libraries: tuple[str, ...] = ()) -> dict:
+    """The device and the library versions a result depends on."""
+    from mla_inductor.backends import library_versions
+
+    versions = library_versions(("triton",) + tuple(extra_libraries))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            **{name: version for name, version in versions.items() if version}}
+
+
+def environment_line(env: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in env.items())
+
+
+def median_ms(fn) -> float:
+    """Median time of a call (``triton.testing.do_bench``, warmup 25, rep 200), as the peers are timed."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def markdown_table(columns: list[str], rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.2f}"
+    return str(value).replace("|", "/")
+
+
+def write_results(out_dir: Optional[str], name: str, markdown: str, data: dict) -> None:
+    """``<out_dir>/<name>.md`` and ``<out_dir>/<name>.json`` (nothing without ``--out``)."""
+    if not out_dir:
+        return
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.md").write_text(markdown + "\n")
+    (path / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"wrote {path / (name + '.md')} and {path / (name + '.json')}", flush=True)
+
+
+def add_out_argument(parser) -> None:
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write the results to DIR as markdown and JSON (default: print only)")
+
+
+def progress(message: str) -> None:
+    print(message, flush=True)
+
