@@ -101,6 +101,7 @@ def _failed(label, name, e) -> str:
 
 
 OURS = ("triton_bf16", "triton_fp8", "triton_ds")
+OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds")
 
 
 def run_dense(cfgs, peer_names, rows, results):
@@ -147,10 +148,10 @@ def run_sparse(peer_names, rows, results):
         c = pm.sparse_case(B, H, S, topk)
         label = f"sparse B={B:<4} H={H:<4} S={S:<6} topk={topk}"
         flops = 2 * B * topk * H * (D_CKV + D_PE + D_CKV)
-        names = ["triton_sparse_bf16", "triton_sparse_ds"] + [n for n in pm.SPARSE_PEERS if n in peer_names]
+        names = list(OURS_SPARSE) + [n for n in pm.SPARSE_PEERS if n in peer_names]
         for name in names:
             try:
-                if name.startswith("triton"):
+                if name in OURS_SPARSE:
                     fn, ref, per_tok = _ours_sparse(c, name.rsplit("_", 1)[1])
                 else:
                     fn = pm.SPARSE_PEERS[name](c)

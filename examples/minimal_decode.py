@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import mla_inductor.lowering  # registers torch.ops.mla.* and the Inductor pass
+import mla_inductor  # registers torch.ops.mla.*; the Inductor pass loads on the first compile
 from mla_inductor import PagedLatentCache
 
 

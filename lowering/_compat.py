@@ -7,11 +7,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch._inductor.config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "current_post_grad_pass", "hash_files", "pattern_pass",
-           "set_post_grad_pass"]
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "current_post_grad_pass", "pattern_pass", "set_post_grad_pass"]
 
 
 def current_post_grad_pass() -> Any:
@@ -28,11 +27,6 @@ def as_pass_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def hash_files(paths: Iterable[str]) -> bytes:
-    """sha256 of the files' contents, in order (Inductor's own helper for custom-pass uuids)."""
-    return get_hash_for_files(tuple(str(p) for p in paths))
 
 
 def pattern_pass(name: str, ops: Iterable, handler: Callable[..., None]) -> PatternMatcherPass:

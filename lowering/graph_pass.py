@@ -29,7 +29,6 @@ from mla_inductor.lowering._compat import (
     Match,
     as_pass_list,
     current_post_grad_pass,
-    hash_files,
     pattern_pass,
     set_post_grad_pass,
 )
@@ -267,7 +266,10 @@ def source_files() -> list[Path]:
 
 @functools.cache
 def _source_hash() -> bytes:
-    return hash_files(source_files())
+    h = hashlib.sha256()
+    for path in source_files():
+        h.update(path.read_bytes())
+    return h.digest()
 
 
 class MLALoweringPass(CustomGraphPass):

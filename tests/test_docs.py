@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def readme_commands():
-    block = re.search(r"## Install and run\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    block = re.search(r"## Install and run\n.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -36,3 +36,21 @@ def test_examples_run_as_the_readme_says():
                                 timeout=600, cwd=ROOT, env=env)
         assert result.returncode == 0, f"{script}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         assert "tokens/s" in result.stdout and "->" in result.stdout, result.stdout
+
+
+def test_readme_installs_torch_before_the_package_and_names_the_supported_range():
+    commands = readme_commands()
+    torch_line = next(i for i, c in enumerate(commands) if c.startswith("pip install torch"))
+    package_line = next(i for i, c in enumerate(commands) if c.startswith("pip install -e"))
+    assert torch_line < package_line, commands
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    low = re.search(r'"torch>=(\d+\.\d+)"', pyproject).group(1)
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch {low} to 2.14" in readme and f"torch>={low}" in readme, (low, "README and pyproject disagree")
+    assert f"torch {low} through 2.14" in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_readme_benchmark_commands_exist():
+    block = re.search(r"On a GPU machine:\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    scripts = [line.split()[1] for line in block.splitlines() if line.startswith("python benchmarks/")]
+    assert len(scripts) == 3 and all((ROOT / s).is_file() for s in scripts), scripts

@@ -1,4 +1,4 @@
-"""Tests of the Triton MLA paged-decode kernels (mla_inductor/backends/triton_kernels.py).
+"""Tests of the Triton MLA paged-decode kernels (mla_inductor/kernels/decode.py).
 
 Without CUDA the kernels run in Triton's interpreter; the interpreter is chosen when ``@triton.jit``
 runs (triton's own helpers too), so tests/conftest.py sets TRITON_INTERPRET=1 before anything

@@ -42,6 +42,7 @@ Backend modules import their libraries lazily, so ``import mla_inductor`` needs 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -151,6 +152,14 @@ def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
         except Exception:  # noqa: BLE001 - absent or broken: either way not usable
             versions[lib] = None
     return versions
+
+
+def __getattr__(name: str):
+    if name == "BACKEND_MODULES":  # the registry's old name: read-only now, for one release
+        warnings.warn("mla_inductor.backends.BACKEND_MODULES is deprecated: use registered_backends() and "
+                      "register_backend()", DeprecationWarning, stacklevel=2)
+        return {n: e for n, e in _REGISTRY.items() if isinstance(e, str)}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
