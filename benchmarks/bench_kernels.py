@@ -21,22 +21,13 @@ import traceback
 
 import peers as pm
 import torch
-from report import (
-    environment,
-    environment_line,
-    markdown_table,
-    median_ms,
-    progress,
-    relative_error,
-    require_gpu,
-    write_results,
-)
+import report
 
 HBM_BPS = 3.0e12  # H100 SXM device-to-device copy bandwidth (measured)
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16 datasheet
 D_CKV, D_PE = 512, 64
-_err = relative_error
-_bench = median_ms
+_err = report.relative_error
+_bench = report.median_ms
 
 
 def _ours(c, kind, config=None):
@@ -263,7 +254,7 @@ def sweep(out_dir):
                     line = f"sweep B={B} H={H} {kind} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}"
                 print(line, flush=True)
                 lines.append(line)
-    write_results(out_dir, "bench_kernels_sweep", "\n".join(["```", *lines, "```"]), {"log": lines})
+    report.write_results(out_dir, "bench_kernels_sweep", "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
 def overhead(out_dir):
@@ -298,7 +289,7 @@ def overhead(out_dir):
                 line = f"overhead B={B} H={H} {kind}: FAILED {type(e).__name__}: {str(e)[:200]}"
             print(line, flush=True)
             lines.append(line)
-    write_results(out_dir, "bench_kernels_overhead", "\n".join(["```", *lines, "```"]), {"log": lines})
+    report.write_results(out_dir, "bench_kernels_overhead", "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
 def main(argv=None):
@@ -306,12 +297,12 @@ def main(argv=None):
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return
-    require_gpu("bench_kernels.py")
+    report.require_gpu("bench_kernels.py")
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv:
         out_dir = argv[argv.index("--out") + 1]
-    env = environment(("flashinfer", "flash_mla", "vllm"))
-    progress(f"# {environment_line(env)}")
+    env = report.environment(("flashinfer", "flash_mla", "vllm"))
+    report.progress(f"# {report.environment_line(env)}")
     if "--sweep" in argv:
         sweep(out_dir)
         return
@@ -330,10 +321,10 @@ def main(argv=None):
     rows += checks
     print("\n".join(["", "# summary"] + rows), flush=True)
     columns = ["case", "kernel", "us", "gb_per_s", "tflop_per_s", "rel_err", "over_floor"]
-    markdown = "\n".join([f"Kernels called directly, {environment_line(env)}", "", markdown_table(columns, RECORDS),
-                          "", *[f"- {line}" for line in checks]])
-    write_results(out_dir, "bench_kernels", markdown, {"environment": env, "rows": RECORDS, "targets": checks,
-                                                      "log": rows})
+    markdown = "\n".join([f"Kernels called directly, {report.environment_line(env)}", "",
+                          report.markdown_table(columns, RECORDS), "", *[f"- {line}" for line in checks]])
+    report.write_results(out_dir, "bench_kernels", markdown,
+                         {"environment": env, "rows": RECORDS, "targets": checks, "log": rows})
     if out_dir:
         plot(results, os.path.join(out_dir, "bench_kernels.png"))
 

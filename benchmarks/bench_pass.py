@@ -35,23 +35,13 @@ from typing import Optional
 
 import peers as peer_kernels
 import torch
-from report import (
-    add_out_argument,
-    environment,
-    environment_line,
-    markdown_table,
-    median_ms,
-    progress,
-    relative_error,
-    require_gpu,
-    write_results,
-)
+import report
 
 import mla_inductor
 
 D_CKV = 512
-_bench = median_ms
-_err = relative_error
+_bench = report.median_ms
+_err = report.relative_error
 RECORDS: list = []  # one dict per compiled backend and case, for --out
 
 
@@ -64,8 +54,8 @@ def _mark_static(tensors) -> None:
 
 
 def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices) -> str:
-    return mla_inductor.backend_for_call(q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale,
-                            sparse_indices).backend
+    args = (q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
+    return mla_inductor.backend_for_call(*args).backend
 
 
 CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
@@ -356,15 +346,15 @@ def main(argv=None) -> None:
     p.add_argument("--formats", default="bf16,fp8_e4m3", help="cache formats of the dense cases")
     p.add_argument("--no-sparse", action="store_true")
     p.add_argument("--no-step", action="store_true", help="skip the 61-layer overhead rows")
-    add_out_argument(p)
+    report.add_out_argument(p)
     args = p.parse_args(argv)
-    require_gpu("bench_pass.py")
+    report.require_gpu("bench_pass.py")
     peers = peer_kernels
     wanted = [n.strip() for n in args.backends.split(",") if n.strip()]
-    env = environment(("flashinfer", "flash_mla", "vllm"))
-    rows = [f"# {environment_line(env)}",
+    env = report.environment(("flashinfer", "flash_mla", "vllm"))
+    rows = [f"# {report.environment_line(env)}",
             f"# per call = a compiled CUDA-graph step of {args.layers} calls / {args.layers}; * = the table's choice"]
-    progress("\n".join(rows))
+    report.progress("\n".join(rows))
     cases = [tuple(int(x) if x != "var" else x for x in spec.split(",")) for spec in args.case] or _select(
         peers.QUICK if args.quick else peers.FULL, args.cases)
     sections = [("dense", lambda: dense_rows(peers, cases, args.layers, wanted, rows,
@@ -375,15 +365,16 @@ def main(argv=None) -> None:
         sections += [(f"{args.layers}-layer step B={B}",
                       lambda B=B: layered_step_overhead(peers, args.layers, B, 128, 4096, rows)) for B in (16, 64)]
     for name, section in sections:
-        progress(f"## {name}")
+        report.progress(f"## {name}")
         try:
             section()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     columns = ["case", "backend", "chosen", "us_per_call", "best_peer", "peer_us", "peer_over_ours", "graphed_peer",
                "graphed_over_ours", "us_one_call", "rel_err", "step_us", "by_hand_us", "overhead"]
-    markdown = "\n".join([f"Compiled op vs the peers, {environment_line(env)}", "", markdown_table(columns, RECORDS)])
-    write_results(args.out, "bench_pass", markdown, {"environment": env, "rows": RECORDS, "log": rows})
+    markdown = "\n".join([f"Compiled op vs the peers, {report.environment_line(env)}", "",
+                          report.markdown_table(columns, RECORDS)])
+    report.write_results(args.out, "bench_pass", markdown, {"environment": env, "rows": RECORDS, "log": rows})
 
 
 if __name__ == "__main__":

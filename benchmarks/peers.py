@@ -161,12 +161,17 @@ def sparse_reference(c: dict, cache: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- dense peers
 
-def peer_flashmla(c: dict):
-    fm = _vllm_flashmla()
-    q, kc = c["q"].unsqueeze(1), c["cache"].unsqueeze(2)
-    meta, _ = fm.get_mla_metadata()
-    return lambda: fm.flash_mla_with_kvcache(q, kc, c["block_table"], c["lens"], D_CKV, meta, None,
-                                             softmax_scale=c["scale"], causal=False)[0].squeeze(1)
+def _flashmla_dense(load, **extra):
+    """A maker for FlashMLA's bf16 dense decode from the interface module ``load()`` returns."""
+
+    def make(c: dict):
+        fm = load()
+        q, kc = c["q"].unsqueeze(1), c["cache"].unsqueeze(2)
+        meta, _ = fm.get_mla_metadata()
+        return lambda: fm.flash_mla_with_kvcache(q, kc, c["block_table"], c["lens"], D_CKV, meta, None,
+                                                 softmax_scale=c["scale"], causal=False, **extra)[0].squeeze(1)
+
+    return make
 
 
 def peer_flashmla_fp8(c: dict):
@@ -177,14 +182,6 @@ def peer_flashmla_fp8(c: dict):
     kc = cache.unsqueeze(2)
     return lambda: ops.fwd_kvcache_mla_fp8(q, kc, D_CKV, c["lens"], c["block_table"], c["scale"], False, md, splits,
                                            q_scale, k_scale.reshape(1))[0].squeeze(1)
-
-
-def peer_sgl_flashmla(c: dict):
-    fm = _flash_mla()
-    q, kc = c["q"].unsqueeze(1), c["cache"].unsqueeze(2)
-    meta, _ = fm.get_mla_metadata()
-    return lambda: fm.flash_mla_with_kvcache(q, kc, c["block_table"], c["lens"], D_CKV, meta, None,
-                                             softmax_scale=c["scale"], causal=False, use_legacy=True)[0].squeeze(1)
 
 
 def peer_sgl_flashmla_fp8(c: dict):
@@ -264,13 +261,13 @@ def peer_vllm_triton(fp8: bool):
 
 
 PEERS = {
-    "flashmla": peer_flashmla,
+    "flashmla": _flashmla_dense(_vllm_flashmla),
     "flashinfer_fa2": peer_flashinfer("fa2"),
     "flashinfer_fa3": peer_flashinfer("fa3"),
     "flashinfer_fa2_fp8": peer_flashinfer("fa2", fp8=True),
     "flashinfer_fa3_fp8": peer_flashinfer("fa3", fp8=True),
     "flashmla_fp8": peer_flashmla_fp8,
-    "sgl_flashmla": peer_sgl_flashmla,
+    "sgl_flashmla": _flashmla_dense(_flash_mla, use_legacy=True),
     "sgl_flashmla_fp8": peer_sgl_flashmla_fp8,
     "vllm_triton_bf16": peer_vllm_triton(False),
     "vllm_triton_fp8": peer_vllm_triton(True),
@@ -287,25 +284,20 @@ def peer_reference(name: str, c: dict) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- sparse peers
 
-def peer_flashmla_sparse(c: dict):
-    fm = _vllm_flashmla()
-    packed, deq = ds_mla_cache(c["cache"])
-    c["ref_sparse"] = sparse_reference(c, deq)
-    q, kc, idx = c["q"].unsqueeze(1), packed.unsqueeze(2), c["indices"].unsqueeze(1)
-    meta, _ = fm.get_mla_metadata()
-    return lambda: fm.flash_mla_with_kvcache(q, kc, None, None, D_CKV, meta, None, softmax_scale=c["scale"],
-                                             causal=False, is_fp8_kvcache=True, indices=idx)[0].squeeze(1)
+def _flashmla_sparse(load, **extra):
+    """A maker for FlashMLA's sparse decode on the fp8_ds_mla cache (the interface module ``load()`` returns)."""
 
+    def make(c: dict):
+        fm = load()
+        packed, deq = ds_mla_cache(c["cache"])
+        c["ref_sparse"] = sparse_reference(c, deq)
+        q, kc, idx = c["q"].unsqueeze(1), packed.unsqueeze(2), c["indices"].unsqueeze(1)
+        meta, _ = fm.get_mla_metadata()
+        return lambda: fm.flash_mla_with_kvcache(q, kc, None, None, D_CKV, meta, None, softmax_scale=c["scale"],
+                                                 causal=False, is_fp8_kvcache=True, indices=idx,
+                                                 **extra)[0].squeeze(1)
 
-def peer_sgl_flashmla_sparse(c: dict):
-    fm = _flash_mla()
-    packed, deq = ds_mla_cache(c["cache"])
-    c["ref_sparse"] = sparse_reference(c, deq)
-    q, kc, idx = c["q"].unsqueeze(1), packed.unsqueeze(2), c["indices"].unsqueeze(1)
-    meta, _ = fm.get_mla_metadata()
-    return lambda: fm.flash_mla_with_kvcache(q, kc, None, None, D_CKV, meta, None, softmax_scale=c["scale"],
-                                             causal=False, is_fp8_kvcache=True, indices=idx,
-                                             use_legacy=True)[0].squeeze(1)
+    return make
 
 
 def peer_flashinfer_sparse(c: dict):
@@ -325,5 +317,6 @@ def peer_flashinfer_sparse(c: dict):
     return lambda: w.run(qn, qp, flat[..., :D_CKV], flat[..., D_CKV:], out=out)
 
 
-SPARSE_PEERS = {"flashmla_sparse_fp8": peer_flashmla_sparse, "flashinfer_fa3_sparse": peer_flashinfer_sparse,
-                "sgl_flashmla_sparse_fp8": peer_sgl_flashmla_sparse}
+SPARSE_PEERS = {"flashmla_sparse_fp8": _flashmla_sparse(_vllm_flashmla),
+                "flashinfer_fa3_sparse": peer_flashinfer_sparse,
+                "sgl_flashmla_sparse_fp8": _flashmla_sparse(_flash_mla, use_legacy=True)}

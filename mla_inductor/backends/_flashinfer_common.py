@@ -378,7 +378,15 @@ class FlashInferTableBackend(Backend):
         return why
 
     def supports(self, problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
-        return cuda_reason(problem, capability) or self._support_fn(problem, capability)
+        why = cuda_reason(problem, capability) or self._support_fn(problem, capability)
+        if why:
+            return why
+        # Both kernels write bf16 output and take q and cache in one dtype (q quantized for an fp8 cache).
+        if problem.q_dtype != torch.bfloat16:
+            return f"needs bf16 q (the kernel writes bf16 output), got {problem.q_dtype}"
+        if problem.cache_format not in ("bf16", "fp8_e4m3"):
+            return f"cache format must be bf16 or fp8_e4m3, got {problem.cache_format}"
+        return None
 
     def compiled_op(self):
         return self._run_op
