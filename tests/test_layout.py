@@ -21,11 +21,13 @@ RUNTIME = ROOT / "mla_inductor"
 HEAVY = ("torch._inductor", "triton", "flashinfer", "transformers", "flash_mla", "vllm")
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
+def _run_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (no module imported by other tests); it must print ok."""
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", **env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, cwd=ROOT,
-                          timeout=600)
+    environment["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    result = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True,
+                            env=environment, cwd=ROOT, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 def test_import_loads_nothing_heavy_and_leaves_cuda_alone():
@@ -39,9 +41,8 @@ def test_import_loads_nothing_heavy_and_leaves_cuda_alone():
             "assert not heavy, heavy\n"
             "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
             "assert hasattr(torch.ops.mla, 'paged_decode') and hasattr(torch.ops.mla, 'cache_append')\n"
-            "print('ok')\n")
-    result = _run(code)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+            )
+    _run_ok(code)
 
 
 def test_import_mla_inductor_alone_makes_compile_substitute_kernels():
@@ -64,9 +65,8 @@ def test_import_mla_inductor_alone_makes_compile_substitute_kernels():
             "import mla_inductor.lowering as lowering\n"
             "assert lowering.installed_pass() is not None\n"
             "assert [d.backend for d in lowering.decisions()] == ['reference']\n"
-            "print('ok')\n")
-    result = _run(code)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+            )
+    _run_ok(code)
 
 
 def test_a_user_pass_installed_before_the_import_still_runs_first():
@@ -85,9 +85,8 @@ def test_a_user_pass_installed_before_the_import_still_runs_first():
             "torch.compile(lambda x: x * 2)(torch.ones(3))\n"
             "import mla_inductor.lowering as lowering\n"
             "assert lowering.installed_pass().previous is mine and seen, seen\n"
-            "print('ok')\n")
-    result = _run(code)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+            )
+    _run_ok(code)
 
 
 BACKEND_FILE = '''
