@@ -12,7 +12,7 @@ from mla_inductor.cache import PagedLatentCache, cache_format, fp8_scale_for, pa
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
-from mla_inductor.selection import backend_for_call, prefer_backends, select_backend
+from mla_inductor.selection import allow_fp8_query, backend_for_call, prefer_backends, select_backend
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ _compat.install_post_grad_pass_on_first_compile(_load_lowering_pass)
 
 __all__ = [
     "DecodeProblem",
+    "allow_fp8_query",
     "backend_for_call",
     "PagedLatentCache",
     "cache_append",

@@ -3,7 +3,8 @@ means and which arguments are valid. Pure: it registers nothing (``ops.py`` defi
 
 ``DecodeProblem`` is what a backend needs to know about a call; ``check_decode_args`` /
 ``check_append_args`` validate arguments (eager, and fake tensors at compile time);
-``DECODE_ARGS_SCHEMA`` is the eight arguments every decode op, ours and each backend's, takes.
+``DECODE_ARGS_SCHEMA`` is the eight arguments every decode op, ours and each backend's, takes; ``mla.paged_decode``
+and ``paged_decode_with_lse`` also take an optional ``q_scale`` (``OP_ARGS_SCHEMA``).
 ``docs/contract.md`` has the same semantics with a picture.
 
 Shapes (T = B * Q query rows, Q new tokens per sequence, H heads, L = kv_lora_rank, R = rope dim):
@@ -17,11 +18,19 @@ Shapes (T = B * Q query rows, Q new tokens per sequence, H heads, L = kv_lora_ra
     softmax_scale  float
     kv_scale       [1] fp32                 per-tensor scale of an fp8_e4m3 cache (1.0 otherwise)
     sparse_indices [T, K] int32 or None     slots page * page_size + offset, -1 = padding
+    q_scale        [1] fp32 or None         static per-tensor scale of the query (see below)
     -> out         [T, H, L]  q's dtype;    lse [T, H] fp32 (natural log), for the _with_lse op
 
 Query row ``b*Q + j`` sits at position ``seq_lens[b] - Q + j`` and attends to positions ``0..p`` of
 its sequence; with ``sparse_indices`` it attends to exactly its listed slots. A row with nothing to
 attend gives out 0 and lse -inf.
+
+``q_scale`` never changes what a call means: the result is defined on q as given (bf16 / fp16 / fp32).
+It is the caller's calibrated scale for backends that compute with q in e4m3 (``q8 = clamp(q / q_scale,
+±448)``, one scale for the latent and the rope part, like vLLM's per-layer ``_q_scale``): with it such a
+backend skips measuring ``amax(|q|)`` every call, and giving it opts the call in to those backends
+(``DecodeProblem.fp8_query``). An uncalibrated scale saturates q at ±448 · q_scale and the output is
+garbage: only pass one measured on real activations.
 """
 
 from __future__ import annotations
@@ -50,6 +59,9 @@ DECODE_ARG_NAMES = ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "so
                     "sparse_indices")
 DECODE_ARGS_SCHEMA = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
                       "float softmax_scale, Tensor kv_scale, Tensor? sparse_indices")
+# ``mla.paged_decode(_with_lse)``: the eight, then the optional static query scale.
+OP_ARG_NAMES = DECODE_ARG_NAMES + ("q_scale",)
+OP_ARGS_SCHEMA = DECODE_ARGS_SCHEMA + "=None, Tensor? q_scale=None"
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,9 @@ class DecodeProblem:
     topk: Optional[int] = None
     q_per_seq: Optional[int] = None
     batch: Optional[int] = None  # B, the number of sequences (None: symbolic, e.g. mark_unbacked)
+    # The caller accepts q quantized to e4m3 per tensor (a static q_scale was given, or the user allowed
+    # it with ``allow_fp8_query``): only then may a backend that computes with an fp8 query take the call.
+    fp8_query: bool = False
 
 
 def _static_int(x) -> Optional[int]:
@@ -133,18 +148,22 @@ def _check_cache_rows(op, kv_cache, L, R):
     return fmt
 
 
+def _check_scale(op, name, scale, device, what):
+    if not isinstance(scale, torch.Tensor):
+        fail(op, TypeError, f"{name} must be a float32 tensor with one element ({what}), got "
+              f"{type(scale).__name__}")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        fail(op, TypeError, f"{name} must be a float32 tensor with one element, got dtype "
+              f"{scale.dtype} and shape {tuple(scale.shape)}")
+    _check_device(op, name, scale, device)
+
+
 def _check_kv_scale(op, kv_scale, device):
-    if not isinstance(kv_scale, torch.Tensor):
-        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element (1.0 unless the cache is "
-              f"fp8), got {type(kv_scale).__name__}")
-    if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
-        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element, got dtype "
-              f"{kv_scale.dtype} and shape {tuple(kv_scale.shape)}")
-    _check_device(op, "kv_scale", kv_scale, device)
+    _check_scale(op, "kv_scale", kv_scale, device, "1.0 unless the cache is fp8")
 
 
 def check_decode_args(
-    q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None,
+    q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None, q_scale=None,
     op: str = "paged_decode",
 ) -> DecodeProblem:
     """Shape/dtype/device checks that need no data (they run in eager and in the fake impls, so bad
@@ -174,6 +193,8 @@ def check_decode_args(
     if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool):
         fail(op, TypeError, f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     _check_kv_scale(op, kv_scale, device)
+    if q_scale is not None:
+        _check_scale(op, "q_scale", q_scale, device, "the static per-tensor scale of the query, or None")
     topk = None
     if sparse_indices is not None:
         _check_tensor(op, "sparse_indices", sparse_indices, 2, "[T, K]")
@@ -198,6 +219,7 @@ def check_decode_args(
         topk=topk,
         q_per_seq=_static_int(T // B),
         batch=_static_int(B),
+        fp8_query=q_scale is not None,
     )
 
 
@@ -211,7 +233,7 @@ def wants_value_checks(t: Tensor) -> bool:
 
 
 def check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,
-                        op: str = "paged_decode") -> None:
+                        op: str = "paged_decode", q_scale=None) -> None:
     """Checks that read data: lengths fit the block table, used pages and sparse slots are in range."""
     P, page_size = kv_cache.shape[0], kv_cache.shape[1]
     capacity = block_table.shape[1] * page_size
@@ -229,8 +251,9 @@ def check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, spars
         if idx.numel() and (bool((idx < -1).any()) or bool((idx >= P * page_size).any())):
             fail(op, ValueError, f"sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size}), "
                   f"got min {int(idx.min())}, max {int(idx.max())}")
-    if not bool(torch.isfinite(kv_scale).all()) or float(kv_scale.reshape(())) <= 0:
-        fail(op, ValueError, f"kv_scale must be finite and positive, got {float(kv_scale.reshape(()))}")
+    for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):
+        if scale is not None and (not bool(torch.isfinite(scale).all()) or float(scale.reshape(())) <= 0):
+            fail(op, ValueError, f"{name} must be finite and positive, got {float(scale.reshape(()))}")
 
 
 def empty_decode_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:

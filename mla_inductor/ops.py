@@ -7,6 +7,10 @@ Importing this module registers the ops (``import mla_inductor`` does). Shapes a
 Eager calls already run on the selected backend: the implementation validates the arguments, asks
 ``selection`` which backend runs the call, and calls that backend. Correctness never depends on the
 compiler; under ``torch.compile`` the Inductor pass replaces the calls before they run.
+
+The decode ops take the contract's eight arguments and an optional ``q_scale`` ([1] fp32): the static
+per-tensor scale of the query for backends that compute with q in e4m3. It does not change the result's
+definition (the reference computes with q as given); see ``contract`` for when to pass one.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mla_inductor.contract import (
-    DECODE_ARGS_SCHEMA,
+    OP_ARGS_SCHEMA,
     check_append_args,
     check_append_values,
     check_decode_args,
@@ -28,13 +32,14 @@ Tensor = torch.Tensor
 
 
 def _decode(op: str, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-            sparse_indices=None) -> tuple[Tensor, Tensor]:
+            sparse_indices=None, q_scale=None) -> tuple[Tensor, Tensor]:
     problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                sparse_indices, op=op)
+                                sparse_indices, q_scale, op=op)
     if wants_value_checks(q_nope):
-        check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op)
-    out, lse = backend_for_eager(problem, q_nope.device).decode(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices)
+        check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op,
+                            q_scale=q_scale)
+    out, lse = backend_for_eager(problem, q_nope.device).decode_with_q_scale(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices, q_scale)
     return out.contiguous(), lse.contiguous()
 
 
@@ -45,7 +50,7 @@ def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
 
 paged_decode_with_lse = torch.library.custom_op(
     "mla::paged_decode_with_lse", _paged_decode_with_lse, mutates_args=(),
-    schema=f"({DECODE_ARGS_SCHEMA}=None) -> (Tensor, Tensor)")
+    schema=f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)")
 
 
 @paged_decode_with_lse.register_fake
@@ -60,7 +65,7 @@ def _paged_decode(*args) -> Tensor:
 
 
 paged_decode = torch.library.custom_op(
-    "mla::paged_decode", _paged_decode, mutates_args=(), schema=f"({DECODE_ARGS_SCHEMA}=None) -> Tensor")
+    "mla::paged_decode", _paged_decode, mutates_args=(), schema=f"({OP_ARGS_SCHEMA}) -> Tensor")
 
 
 @paged_decode.register_fake

@@ -3,11 +3,17 @@
 ``select_backend`` is a pure function of the call's ``DecodeProblem``, the device's compute capability,
 what is installed and the user's preference; the Inductor pass and the eager path both ask it.
 ``backend_for_append`` picks the writer of ``mla.cache_append`` the same way, from ``APPEND_ORDER``.
+
+Accuracy is the user's choice: backends that compute with the query quantized to e4m3 (FlashMLA's dense
+FP8 kernel) take a call only when the caller opted in, with a static ``q_scale`` on the call or with
+``allow_fp8_query()`` / ``$MLA_INDUCTOR_FP8_QUERY=1`` (``DecodeProblem.fp8_query``); otherwise fp8 caches
+go to kernels that keep q in bf16.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -20,6 +26,7 @@ from mla_inductor.backends import Backend
 from mla_inductor.contract import DecodeProblem, check_decode_args
 
 BACKEND_ENV = "MLA_INDUCTOR_BACKEND"
+FP8_QUERY_ENV = "MLA_INDUCTOR_FP8_QUERY"
 _local = threading.local()
 
 
@@ -64,10 +71,14 @@ TABLE: tuple[Row, ...] = (
         "variable lengths and is within 5% of FlashInfer FA3 on uniform ones; it schedules on the device, "
         "where FA3 plans on the host with a sync every step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
-        "H100, compiled per call: FlashMLA-fp8 fastest (q quantized per tensor on the device, so a larger "
-        "error); FlashInfer FA3 with an fp8 cache is slower than its own bf16; our Triton fp8 kernel keeps q "
-        "in bf16 (docs/benchmarks.md sections 1 and 2)"),
-    Row("sm90", DS, False, ("triton", "reference"), "no library decodes the 656-byte layout densely"),
+        "H100, compiled per call: FlashMLA-fp8 fastest, but it computes with q in e4m3 (one scale per tensor), "
+        "so it takes only calls that opted in (a static q_scale, or allow_fp8_query; errors in docs/backends.md); "
+        "otherwise our Triton fp8 kernel, which keeps q in bf16 and was ahead of FlashInfer FA3 with an fp8 "
+        "cache (docs/benchmarks.md sections 1 and 2)"),
+    Row("sm90", DS, False, ("flashmla", "triton", "reference"),
+        "FlashMLA's sparse kernel given every visible position as an index reads the 656-byte layout directly "
+        "(H 64 or 128 only; other head counts go to our Triton kernel); bench_pass's fp8_ds_mla dense rows "
+        "compare the two (docs/benchmarks.md)"),
     Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
         "H100 sparse top-k on a bf16 cache: FlashInfer FA3 with page_size 1 (vLLM's SM90 recipe), "
         "docs/benchmarks.md section 2"),
@@ -128,6 +139,36 @@ def prefer_backends(*names: str) -> Iterator[None]:
         stack.pop()
 
 
+def fp8_query_allowed() -> bool:
+    """Whether every call may go to a backend computing with q in e4m3: ``allow_fp8_query(...)`` if active,
+    else ``$MLA_INDUCTOR_FP8_QUERY`` (1 / 0), else no. A call with a static ``q_scale`` opts in by itself."""
+    stack = getattr(_local, "fp8_query", None)
+    if stack:
+        return stack[-1]
+    return os.environ.get(FP8_QUERY_ENV, "0").strip() not in ("", "0")
+
+
+@contextlib.contextmanager
+def allow_fp8_query(allowed: bool = True) -> Iterator[None]:
+    """Let calls made (eager) or compiled inside the block run on backends that quantize the query to e4m3
+    with one scale per tensor, measured each call (``amax(|q|) / 448``) unless the call has a static
+    ``q_scale``. Faster on SM90 with an fp8 cache (FlashMLA's dense FP8 kernel), at the cost of the error
+    docs/backends.md reports per backend; ``allow_fp8_query(False)`` turns it off inside the block."""
+    stack = _local.__dict__.setdefault("fp8_query", [])
+    stack.append(bool(allowed))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _with_user_choices(problem: DecodeProblem) -> DecodeProblem:
+    """The problem as backends judge it: the user's FP8-query choice added to the call's own."""
+    if problem.fp8_query or not fp8_query_allowed():
+        return problem
+    return dataclasses.replace(problem, fp8_query=True)
+
+
 def rank_backends(
     problem: DecodeProblem,
     capability: Optional[tuple[int, int]],
@@ -146,6 +187,7 @@ def rank_backends(
         if unknown:
             raise ValueError(f"unknown MLA backend(s) {unknown} in the preference (${BACKEND_ENV} or "
                              f"prefer_backends); known: {sorted(known)}")
+    problem = _with_user_choices(problem)
     ranked = []
     for name in list(preference) if preference else table_order(problem, capability):
         why = available.get(name, "not installed") if name in known else "not registered"
@@ -172,12 +214,12 @@ def select_backend(
 
 
 def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                     sparse_indices=None) -> Selection:
+                     sparse_indices=None, q_scale=None) -> Selection:
     """The backend a ``mla.paged_decode`` call with these arguments gets (eager, and compiled: the pass
     asks the same question). Unlike ``mla_inductor.lowering.decisions()``, it answers also when the
     compiled graph came from Inductor's cache. Only shapes, dtypes and devices are read."""
     problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                sparse_indices)
+                                sparse_indices, q_scale)
     return select_backend(problem, backends.device_capability(q_nope.device))
 
 

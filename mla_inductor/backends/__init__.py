@@ -25,8 +25,18 @@ A backend answers three questions and does one thing:
 - ``out_only_op()``: None, or an op with ``compiled_op``'s arguments returning only ``out`` (same shape and
   strides). The pass puts it in place of ``mla.paged_decode``, whose lse nobody reads, where leaving the
   lse out saves work (FlashMLA: its lse must be rewritten into the contract's layout by a kernel of its own).
+- ``quantized_query_op(problem)``: None, or (for calls whose kernel computes with q in e4m3, one scale per
+  tensor) an op taking ``(q [T, H, L+R] float8_e4m3fn, q_descale [1] fp32, kv_cache, block_table,
+  seq_lens, softmax_scale, kv_scale, sparse_indices, plan, out_dtype)`` and returning ``(out [T, H, L] in
+  out_dtype, lse [T, H] fp32)``. The pass then writes q's assembly (``q_nope | q_pe``) and quantization
+  into the graph as aten ops (``lowering/fp8_query.py``), so Inductor fuses them into q's producers, and
+  hands this op the result; the call's static ``q_scale``, if any, is the scale (no amax pass). Such a
+  backend's ``supports`` must refuse the call unless ``problem.fp8_query`` (the caller opted in).
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
+  ``decode_with_q_scale(..., sparse_indices, q_scale)``: the same given the call's static query scale
+  (or None); only a backend that quantizes q overrides it, the others compute with q as given.
+- ``loaded_from()``: optional; where the backend's kernels were loaded from (``python -m mla_inductor.info``).
 - ``append_supports(device_type, capability)`` / ``append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)``:
   optional; a backend that writes caches (``mla.cache_append``) says where it can and does it.
 
@@ -87,8 +97,19 @@ class Backend:
     def out_only_op(self):
         return None
 
+    def quantized_query_op(self, problem: DecodeProblem):
+        return None
+
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         raise NotImplementedError
+
+    def decode_with_q_scale(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                            sparse_indices, q_scale):
+        # q_scale only serves backends that quantize q; the result is defined on q as given.
+        return self.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+
+    def loaded_from(self) -> Optional[str]:
+        return None
 
     def append_supports(self, device_type: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
         return "does not write caches"

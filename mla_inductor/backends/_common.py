@@ -8,7 +8,8 @@ rows and pages every kernel needs, and the fp8 query.
   ``clamp_pages`` (unused block-table entries may hold anything, -1 included), ``kernel_lengths``
   (kernels that take a length cannot run 0): what kernels read instead of the caller's tensors.
 - ``finish_empty_rows``: rows that see nothing get out 0 and lse -inf, whatever the kernel wrote.
-- ``quantize_query_fp8``: a query in e4m3 with one scale per tensor, on the device.
+- ``quantize_query_fp8``: a query in e4m3 with one scale per tensor, on the device; ``quantize_query_reference``
+  the same in plain torch (what the Inductor pass writes into the graph).
 
 The cache format of a tensor is ``mla_inductor.cache.cache_format`` (and its dtype ``cache_dtype``).
 """
@@ -162,15 +163,27 @@ def finish_empty_rows(out: Tensor, lse: Tensor, counts: Tensor) -> None:
 
 # ----------------------------------------------------------------------------- fp8 query
 
-def quantize_query_fp8(q: Tensor) -> tuple[Tensor, Tensor]:
-    """q (any shape) -> (float8_e4m3fn contiguous copy, descale fp32 [1]) with one scale per tensor,
-    ``max(amax(|q|) / 448, tiny)``, all on the device: two Triton kernels on CUDA (``kernels.fp8_query``),
-    torch in fp32 elsewhere. For kernels that take q in fp8 with one descale (FlashMLA's dense FP8 decode,
-    trtllm-gen and XQA with an fp8 cache)."""
-    if q.is_cuda:
-        from mla_inductor.kernels.fp8_query import quantize_per_tensor_e4m3
+def quantize_query_reference(q: Tensor, q_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """q (any shape) -> (float8_e4m3fn, descale fp32 [1]) in plain torch, one scale for the whole tensor
+    (latent and rope alike, as the kernels take one ``descale_q``): ``q_scale`` when given (a static,
+    calibrated scale), else ``max(amax(|q|) / 448, tiny)``; ``q8 = clamp(q / descale, ±448)`` in fp32.
+    The definition the Triton kernels follow, and the ops the Inductor pass writes into the graph
+    (``lowering/fp8_query.py``), where they fuse into q's producers. Values beyond ±448 · descale
+    saturate: an uncalibrated ``q_scale`` gives garbage, never inf or NaN."""
+    if q_scale is None:
+        descale = (q.abs().amax().float() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    else:
+        descale = q_scale.reshape(1)
+    return (q.float() / descale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), descale
 
-        return quantize_per_tensor_e4m3(q)
-    q = q.float()
-    descale = (q.abs().amax() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    return (q / descale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), descale
+
+def quantize_query_fp8(q: Tensor, q_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``quantize_query_reference`` on the device: on CUDA our Triton kernels (two passes, or one with a
+    static ``q_scale``; ``kernels.fp8_query``), torch elsewhere. The result is contiguous. For kernels that
+    take q in fp8 with one descale (FlashMLA's dense FP8 decode, trtllm-gen and XQA with an fp8 cache)."""
+    if q.is_cuda:
+        from mla_inductor.kernels.fp8_query import quantize_per_tensor_e4m3, quantize_with_descale_e4m3
+
+        return quantize_per_tensor_e4m3(q) if q_scale is None else quantize_with_descale_e4m3(q, q_scale)
+    q8, descale = quantize_query_reference(q, q_scale)
+    return q8.contiguous(), descale

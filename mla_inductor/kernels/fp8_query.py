@@ -1,12 +1,14 @@
-"""Per-tensor e4m3 quantization of a query on the GPU in two passes over it, for kernels that take q in
-fp8 with one descale (FlashMLA's dense FP8 decode).
+"""Per-tensor e4m3 quantization of a query on the GPU in two passes over it (one with a static scale), for
+kernels that take q in fp8 with one descale (FlashMLA's dense FP8 decode). The definition, in torch, is
+``backends._common.quantize_query_reference``.
 
 ``descale = max(amax(|q|) / 448, tiny)``, ``q8 = clamp(q / descale, ±448)`` in fp32 then e4m3. Eager
 torch needs a reduction, several scalar kernels and three elementwise passes for the same; each layer
 of a decode step pays it, so it is two Triton kernels here: each block of the first writes the max of
 its values to its own slot (no atomics, so no buffer to zero first: one launch fewer in the graph),
 and every block of the second reduces those partial maxima, then casts its values (block 0 also
-writes the descale). No host sync, CUDA-graph safe.
+writes the descale). With a static scale (the caller's calibrated ``q_scale``) the cast alone runs.
+No host sync, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -67,4 +69,27 @@ def quantize_per_tensor_e4m3(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     _scaled_cast_kernel[(blocks,)](q, q8, partial, blocks, descale, n, FP8_MAX=FP8_E4M3_MAX,
                                    TINY=torch.finfo(torch.float32).tiny, BLOCK=block, CHUNK=PARTIALS_CHUNK,
                                    num_warps=warps)
+    return q8, descale
+
+
+@triton.jit
+def _cast_with_descale_kernel(X, Y, DESCALE, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    descale = tl.load(DESCALE)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
+    y = tl.minimum(tl.maximum(x / descale, -FP8_MAX), FP8_MAX)
+    tl.store(Y + offs, y.to(tl.float8e4nv), mask=offs < N)
+
+
+def quantize_with_descale_e4m3(q: torch.Tensor, descale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (any shape, bf16/fp16/fp32) and a static descale (fp32, one element, on q's device) -> (float8_e4m3fn
+    contiguous, same shape; the descale as [1]): one pass, no amax."""
+    q = q.contiguous()
+    n = q.numel()
+    block, warps = _launch_config(n)
+    descale = descale.reshape(1)
+    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    _cast_with_descale_kernel[(max(triton.cdiv(n, block), 1),)](q, q8, descale, n, FP8_MAX=FP8_E4M3_MAX, BLOCK=block,
+                                                                 num_warps=warps)
     return q8, descale
