@@ -1,19 +1,27 @@
 """What mla-inductor sees on this machine: ``python -m mla_inductor.info [--markdown]``.
 
 Prints the GPU, the optional libraries and their versions, each backend's availability (with the reason
-when it is not usable), and which backend the selection table picks for typical DeepSeek calls here.
+when it is not usable) and where its kernels were loaded from (FlashMLA: which package serves each of
+its modes), and which backend the selection table picks for typical DeepSeek calls here.
 ``--markdown`` prints instead the machine-independent backend matrix kept in docs/backends.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from typing import Optional
 
 import torch
 
-from mla_inductor.backends import availability, device_capability, library_versions, registered_backends
+from mla_inductor.backends import (
+    availability,
+    device_capability,
+    get_backend,
+    library_versions,
+    registered_backends,
+)
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.selection import TABLE, select_backend
 
@@ -22,10 +30,22 @@ FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
 
 
 def example_problem(device_type: str, fmt: str, sparse: bool, heads: int, page_size: int, q_per_seq: int = 1,
-                    batch: Optional[int] = None):
+                    batch: Optional[int] = None, fp8_query: bool = False):
     return DecodeProblem(device_type=device_type, cache_format=fmt, q_dtype=torch.bfloat16, num_heads=heads,
                          kv_lora_rank=512, rope_dim=64, page_size=page_size, sparse=sparse,
-                         topk=2048 if sparse else None, q_per_seq=q_per_seq, batch=batch)
+                         topk=2048 if sparse else None, q_per_seq=q_per_seq, batch=batch, fp8_query=fp8_query)
+
+
+def fp8_query_rows(available: dict[str, Optional[str]]):
+    """(device, format, sparse, heads, page_size, chosen backend) where a call that opted in to an e4m3
+    query (a static q_scale, or allow_fp8_query) gets another backend than ``matrix_rows`` lists."""
+    for (dev, cap), fmt, sparse, heads, page in itertools.product(CAPABILITIES.items(), FORMATS, (False, True),
+                                                                  (16, 128), (64, 16)):
+        device = "cpu" if cap is None else "cuda"
+        default, opted_in = (select_backend(example_problem(device, fmt, sparse, heads, page, fp8_query=q8), cap,
+                                            available=available, preference=()).backend for q8 in (False, True))
+        if opted_in != default:
+            yield dev, fmt, sparse, heads, page, opted_in
 
 
 def matrix_rows(available: dict[str, Optional[str]]):
@@ -58,6 +78,10 @@ def backend_matrix_markdown() -> str:
     for dev, fmt, sparse, heads, page, batch, chosen, reasons in matrix_rows(everything):
         lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {batch} | {chosen} | "
                      f"{'; '.join(reasons) or '—'} |")
+    lines += ["", "Calls that opted in to an e4m3 query (a static `q_scale`, or `allow_fp8_query()`), where the "
+              "choice differs:", "", "| device | cache | sparse | H | page | backend |", "|---|---|---|---|---|---|"]
+    for dev, fmt, sparse, heads, page, chosen in fp8_query_rows(everything):
+        lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {chosen} |")
     return "\n".join(lines) + "\n"
 
 
@@ -72,12 +96,19 @@ def report() -> str:
     out.append("backends:")
     for name, why in avail.items():
         out.append(f"  {name:<20} {'available' if why is None else 'unavailable: ' + why}")
+    for name, why in avail.items():
+        origin = get_backend(name).loaded_from() if why is None else None
+        if origin:
+            out.append(f"{name} kernels: {origin}")
     out.append(f"selection on this machine ({device.type}), L=512 R=64 Q=1:")
     for fmt, sparse, heads, page in itertools.product(FORMATS, (False, True), (16, 128), (64,)):
         problem = example_problem(device.type, fmt, sparse, heads, page)
         try:
             sel = select_backend(problem, cap, available=avail)
             detail = f"{sel.backend}" + (f"  (passed over: {'; '.join(sel.reasons)})" if sel.reasons else "")
+            opted_in = select_backend(dataclasses.replace(problem, fp8_query=True), cap, available=avail).backend
+            if opted_in != sel.backend:
+                detail += f"; with an e4m3 query allowed (q_scale or allow_fp8_query): {opted_in}"
         except RuntimeError as e:
             detail = f"none: {e}"
         out.append(f"  {fmt:<11} {'sparse' if sparse else 'dense ':<6} H={heads:<4} page={page}: {detail}")

@@ -11,6 +11,7 @@ CUDA-graph replays with seq_lens changed in place between them.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -20,7 +21,9 @@ from typing import Optional
 import pytest
 import torch
 
+import mla_inductor
 from mla_inductor.backends import flashmla as fm
+from mla_inductor.backends import registered_backends
 from mla_inductor.backends._common import quantize_query_fp8
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.reference import paged_decode_reference
@@ -85,17 +88,63 @@ class RecordingInterface(types.ModuleType):
         if isinstance(tile_scheduler_metadata, FakeSchedMeta) and tile_scheduler_metadata.tile_scheduler_metadata is None:
             tile_scheduler_metadata.tile_scheduler_metadata = torch.full((4, 8), 3, dtype=torch.int32)
             tile_scheduler_metadata.num_splits = torch.zeros(q.shape[0] + 1, dtype=torch.int32)
-        out, lse = _fake_outputs(q)
-        if indices is None:  # like FlashMLA's dense kernel: out 0 (lse +inf) where a row sees nothing
-            Q = q.shape[1]
-            empty = cache_seqlens[:, None] - Q + torch.arange(Q)[None, :] < 0  # [B, Q]
-            out[empty] = 0
-            lse.transpose(1, 2)[empty] = float("inf")
-        else:  # like FlashMLA's sparse kernel: the same for an all -1 row
-            empty = (indices < 0).all(-1)
-            out[empty] = 0
-            lse.transpose(1, 2)[empty] = float("inf")
+        return _kernel_outputs(q, cache_seqlens, indices)
+
+
+def _kernel_outputs(q, cache_seqlens, indices, zero_empty=True):
+    out, lse = _fake_outputs(q, torch.bfloat16 if q.dtype == torch.float8_e4m3fn else None)
+    if not zero_empty:  # like the FP8 kernel fed lengths >= 1: empty rows hold real (unwanted) values
         return out, lse
+    if indices is None:  # like FlashMLA's dense kernel: out 0 (lse +inf) where a row sees nothing
+        Q = q.shape[1]
+        empty = cache_seqlens[:, None] - Q + torch.arange(Q)[None, :] < 0  # [B, Q]
+    else:  # like FlashMLA's sparse kernel: the same for an all -1 row
+        empty = (indices < 0).all(-1)
+    out[empty] = 0
+    lse.transpose(1, 2)[empty] = float("inf")
+    return out, lse
+
+
+class RecordingSglModule(types.ModuleType):
+    """Mimics the sgl-flash-mla wheel's ``flash_mla``: the 2026 ``FlashMLASchedMeta`` interface plus
+    ``use_legacy``, ``descale_q/descale_k`` and the hoisted ``get_mla_decoding_metadata``. Like the real
+    one, dense fp8 refuses to run without metadata, and nothing runs without ``use_legacy=True``."""
+
+    __version__ = "1.0.0"
+
+    def __init__(self, name="flash_mla", legacy=True):
+        super().__init__(name)
+        self.calls = []
+        self.legacy = legacy
+        self.FlashMLASchedMeta = FakeSchedMeta
+
+    def has_legacy(self):
+        return self.legacy
+
+    def get_mla_metadata(self, *args, **kwargs):
+        return FakeSchedMeta(), None
+
+    def get_mla_decoding_metadata(self, seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False,
+                                  topk=None, use_legacy=False):
+        self.calls.append(("get_mla_decoding_metadata", (seqlens_k, num_q_tokens_per_head_k, h_k, h_q),
+                           dict(is_fp8_kvcache=is_fp8_kvcache, topk=topk, use_legacy=use_legacy)))
+        return torch.full((4, 8), 9, dtype=torch.int32), torch.zeros(seqlens_k.shape[0] + 1, dtype=torch.int32)
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
+                               attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                               extra_topk_length=None, enable_batch_invariant=False, use_legacy=False,
+                               kv_format=None, descale_q=None, descale_k=None):
+        assert use_legacy, "pass use_legacy=True"
+        assert isinstance(tile_scheduler_metadata, FakeSchedMeta) and num_splits is None
+        dense_fp8 = bool(is_fp8_kvcache) and indices is None
+        if dense_fp8:
+            assert tile_scheduler_metadata.tile_scheduler_metadata is not None, "dense fp8 needs metadata"
+        self.calls.append(("flash_mla_with_kvcache", (q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                      tile_scheduler_metadata),
+                           dict(softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache,
+                                indices=indices, descale_q=descale_q, descale_k=descale_k)))
+        return _kernel_outputs(q, cache_seqlens, indices, zero_empty=not dense_fp8)
 
 
 class RecordingFP8Ops:
@@ -113,13 +162,23 @@ class RecordingFP8Ops:
         return list(_fake_outputs(q, torch.bfloat16))
 
 
+def _providers(interface=None, fp8_ops=None, name="fake") -> fm.Providers:
+    """Providers made from fake modules, as discovery would make them (interface first, FP8 extension next)."""
+    found = []
+    if interface is not None:
+        found.append(fm.interface_provider(name, interface, []))
+    if fp8_ops is not None:
+        found.append(fm.FP8ExtensionFlashMLA(fm.FP8_EXTENSION_MODULE, types.ModuleType("fp8"), fp8_ops))
+    return fm.Providers(tuple(p for p in found if p is not None))
+
+
 @pytest.fixture
 def provider(monkeypatch):
-    """Install a recording provider (2026 interface + FP8 extension) in place of discovery."""
+    """Install recording providers in place of discovery."""
     def install(interface=None, fp8_ops=None, name="fake"):
-        p = fm.make_provider(name, interface, fp8_ops)
-        monkeypatch.setattr(fm, "find_provider", lambda: (p, ""))
-        return p
+        providers = _providers(interface, fp8_ops, name)
+        monkeypatch.setattr(fm, "find_providers", lambda: providers)
+        return providers
     return install
 
 
@@ -134,26 +193,30 @@ def _problem(**overrides) -> DecodeProblem:
 
 DENSE = _problem()
 DENSE_FP16 = _problem(cache_format="fp16", q_dtype=torch.float16)
-FP8 = _problem(cache_format="fp8_e4m3", num_heads=128, q_per_seq=2)
+FP8 = _problem(cache_format="fp8_e4m3", num_heads=128, q_per_seq=2, fp8_query=True)
+FP8_NOT_OPTED_IN = _problem(cache_format="fp8_e4m3", num_heads=128, q_per_seq=2)
 SPARSE = _problem(cache_format="fp8_ds_mla", num_heads=128, sparse=True, topk=2048)
 SPARSE_H64 = _problem(cache_format="fp8_ds_mla", num_heads=64, sparse=True, topk=100)
+DENSE_DS = _problem(cache_format="fp8_ds_mla", num_heads=128, q_per_seq=2)
+DENSE_DS_H16 = _problem(cache_format="fp8_ds_mla", num_heads=16)
+PROBLEMS = dict(DENSE=DENSE, DENSE_FP16=DENSE_FP16, FP8=FP8, FP8_NOT_OPTED_IN=FP8_NOT_OPTED_IN, SPARSE=SPARSE,
+                SPARSE_H64=SPARSE_H64, DENSE_DS=DENSE_DS, DENSE_DS_H16=DENSE_DS_H16)
 
 # capability -> which of the problems above are accepted
 MATRIX = {
     None: set(),
     (8, 0): set(),
     (8, 9): set(),
-    (9, 0): {"DENSE", "DENSE_FP16", "FP8", "SPARSE", "SPARSE_H64"},
-    (10, 0): {"SPARSE", "SPARSE_H64"},
+    (9, 0): {"DENSE", "DENSE_FP16", "FP8", "SPARSE", "SPARSE_H64", "DENSE_DS"},
+    (10, 0): {"SPARSE", "SPARSE_H64", "DENSE_DS"},
     (12, 0): set(),
 }
 
 
 @pytest.mark.parametrize("capability", list(MATRIX), ids=lambda c: "CPU" if c is None else f"SM{c[0]}{c[1]}")
 def test_supports_matrix(provider, capability):
-    provider(RecordingInterface(), RecordingFP8Ops())
-    problems = dict(DENSE=DENSE, DENSE_FP16=DENSE_FP16, FP8=FP8, SPARSE=SPARSE, SPARSE_H64=SPARSE_H64)
-    for name, problem in problems.items():
+    provider(RecordingSglModule())
+    for name, problem in PROBLEMS.items():
         if capability is None:
             problem = _problem(**{**problem.__dict__, "device_type": "cpu"})
         reason = BACKEND.supports(problem, capability)
@@ -167,9 +230,11 @@ def test_supports_matrix(provider, capability):
     (dict(page_size=None), "page_size 64, got a symbolic one"),
     (dict(kv_lora_rank=256), "kv_lora_rank=512 and rope_dim=64"),
     (dict(rope_dim=32), "got 512 and 32"),
-    (dict(cache_format="fp32", q_dtype=torch.float32), "bf16, fp16 or fp8_e4m3 cache, got fp32"),
+    (dict(cache_format="fp32", q_dtype=torch.float32), "bf16, fp16, fp8_e4m3 or fp8_ds_mla cache, got fp32"),
     (dict(q_dtype=torch.float16), "queries of the cache's dtype (bf16), got torch.float16"),
-    (dict(cache_format="fp8_ds_mla"), "fp8_ds_mla is read only with sparse_indices"),
+    (dict(cache_format="fp8_ds_mla"), "dense decode of an fp8_ds_mla cache (its sparse kernel) needs 64 or 128 "
+                                      "heads, got 16"),
+    (dict(cache_format="fp8_ds_mla", num_heads=64, q_dtype=torch.float16), "needs bf16 queries, got torch.float16"),
     (dict(sparse=True, topk=64), "sparse decode needs the fp8_ds_mla cache, got bf16"),
     (dict(cache_format="fp8_ds_mla", sparse=True, topk=64, num_heads=16), "64 or 128 heads, got 16"),
     (dict(num_heads=None), "static num_heads and Q"),
@@ -177,74 +242,167 @@ def test_supports_matrix(provider, capability):
     (dict(cache_format="fp8_ds_mla", sparse=True, topk=None, num_heads=64), "static top-k width"),
     (dict(cache_format="fp8_ds_mla", sparse=True, topk=64, num_heads=64, q_dtype=torch.float16),
      "bf16 queries, got torch.float16"),
-    (dict(cache_format="fp8_e4m3", q_dtype=torch.float32), "bf16 or fp16 queries, got torch.float32"),
+    (dict(cache_format="fp8_e4m3", q_dtype=torch.float32, fp8_query=True), "bf16 or fp16 queries, got torch.float32"),
+    (dict(cache_format="fp8_e4m3"), "computes with q in e4m3"),
 ])
 def test_supports_reasons_are_precise(provider, overrides, expected):
-    provider(RecordingInterface(), RecordingFP8Ops())
+    provider(RecordingSglModule())
     reason = BACKEND.supports(_problem(**overrides), (9, 0))
     assert reason is not None and expected in reason, reason
 
 
+def test_dense_fp8_is_opt_in():
+    """Accuracy is the caller's choice: FlashMLA's dense FP8 kernel (q in e4m3) takes an fp8 call only with
+    a static q_scale on it or under allow_fp8_query; otherwise the table's next backend keeps q in bf16."""
+    from mla_inductor.info import example_problem
+    from mla_inductor.selection import FP8_QUERY_ENV, select_backend
+
+    everything = {name: None for name in registered_backends()}
+    problem = example_problem("cuda", "fp8_e4m3", False, 128, 64)
+    chosen = lambda: select_backend(problem, (9, 0), available=everything, preference=()).backend  # noqa: E731
+    assert chosen() == "triton"
+    with mla_inductor.allow_fp8_query():
+        assert chosen() == "flashmla"
+        with mla_inductor.allow_fp8_query(False):
+            assert chosen() == "triton"
+    with_scale = dataclasses.replace(problem, fp8_query=True)  # what check_decode_args makes of a q_scale
+    assert select_backend(with_scale, (9, 0), available=everything, preference=()).backend == "flashmla"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FP8_QUERY_ENV, "1")
+        assert chosen() == "flashmla"
+
+
 def test_supports_names_missing_provider_parts(provider):
-    provider(RecordingInterface(), None, name="flash_mla")
-    assert "no dense FP8 kernel" in BACKEND.supports(FP8, (9, 0))
-    provider(None, RecordingFP8Ops(), name="vllm._flashmla_extension_C")
-    assert "no bf16/fp16 dense decode" in BACKEND.supports(DENSE, (9, 0))
-    assert "no sparse decode" in BACKEND.supports(SPARSE, (9, 0))
+    provider(RecordingInterface(), None, name="flash_mla")  # the 2026 interface: no dense FP8 kernel
+    assert "no installed FlashMLA provider has the dense fp8_e4m3 kernel" in BACKEND.supports(FP8, (9, 0))
+    assert BACKEND.supports(DENSE_DS, (9, 0)) is None
+    provider(None, RecordingFP8Ops())
+    assert "has the dense bf16/fp16 kernel" in BACKEND.supports(DENSE, (9, 0))
+    assert "has the sparse fp8_ds_mla kernel" in BACKEND.supports(SPARSE, (9, 0))
     provider(RecordingInterface(sched_meta=False, legacy_topk=False), None, name="old")
-    assert "no sparse decode" in BACKEND.supports(SPARSE, (9, 0))
+    assert "has the sparse fp8_ds_mla kernel" in BACKEND.supports(SPARSE, (9, 0))
     assert BACKEND.supports(DENSE, (9, 0)) is None
 
 
-# ----------------------------------------------------------------------------- discovery
+# ----------------------------------------------------------------------------- discovery: which provider, in which order
+
+ALL_MODULES = fm.INTERFACE_MODULES + (fm.FP8_EXTENSION_MODULE,)
+
 
 @pytest.fixture
 def fresh_discovery(monkeypatch):
-    fm.find_provider.cache_clear()
-    for name in fm.INTERFACE_MODULES + (fm.FP8_EXTENSION_MODULE,):
-        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: the import fails
+    """Every provider module absent (None in sys.modules: its import fails) until a test installs a fake."""
+    fm.find_providers.cache_clear()
+    for name in ALL_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)
     yield monkeypatch
-    fm.find_provider.cache_clear()
+    fm.find_providers.cache_clear()
+
+
+def _install_vllm(mp, fp8=True):
+    interface = RecordingInterface(fm.VLLM_INTERFACE)
+    mp.setitem(sys.modules, fm.VLLM_INTERFACE, interface)
+    ops = None
+    if fp8:
+        ops = RecordingFP8Ops()
+        mp.setitem(sys.modules, fm.FP8_EXTENSION_MODULE, types.ModuleType(fm.FP8_EXTENSION_MODULE))
+        mp.setattr(torch.ops, "_flashmla_extension_C", ops, raising=False)
+    return interface, ops
+
+
+def _sources(providers: fm.Providers) -> dict[str, str]:
+    return {mode: providers.for_mode(mode).name for mode in fm.MODES if providers.for_mode(mode) is not None}
 
 
 def test_discovery_nothing_installed(fresh_discovery):
-    provider, tried = fm.find_provider()
-    assert provider is None
+    providers = fm.find_providers()
+    assert providers.found == ()
     reason = BACKEND.unavailable_reason()
-    for name in fm.INTERFACE_MODULES + (fm.FP8_EXTENSION_MODULE,):
+    for name in ALL_MODULES:
         assert name in reason
     # supports() judges the call alone (docs/backends.md is machine-independent); availability is separate
     assert BACKEND.supports(DENSE, (9, 0)) is None
+    assert BACKEND.loaded_from() is None
 
 
-def test_discovery_deepseek_package_2026_interface(fresh_discovery):
-    fresh_discovery.setitem(sys.modules, "flash_mla", RecordingInterface("flash_mla"))
-    provider, _ = fm.find_provider()
-    assert provider.name == "flash_mla" and provider.sched_meta is FakeSchedMeta and provider.fp8_ops is None
-    assert provider.has_sparse and BACKEND.unavailable_reason() is None
+def test_sgl_flash_mla_comes_first_and_vllm_is_not_imported(fresh_discovery):
+    """sgl-flash-mla serves every mode: vLLM (installed too) is neither imported nor used."""
+    sgl = RecordingSglModule()
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, sgl)
+    imported = []
+
+    class Watch(types.ModuleType):
+        def __getattr__(self, attr):
+            imported.append(attr)
+            raise AttributeError(attr)
+
+    for name in (fm.VLLM_INTERFACE, fm.FP8_EXTENSION_MODULE, fm.OLD_VLLM_INTERFACE):
+        fresh_discovery.setitem(sys.modules, name, Watch(name))
+    providers = fm.find_providers()
+    assert _sources(providers) == dict.fromkeys(fm.MODES, fm.SGL_MODULE)
+    assert isinstance(providers.found[0], fm.SglFlashMLA) and len(providers.found) == 1 and not imported
+    assert "vllm" not in providers.tried
+    assert BACKEND.decode_and_plan_op() is None  # every schedule is made by the metadata function
+    assert BACKEND.loaded_from() == ("dense bf16/fp16, dense fp8_e4m3, sparse fp8_ds_mla, dense fp8_ds_mla (sparse "
+                                     "kernel) from flash_mla 1.0.0")
 
 
-def test_discovery_legacy_interface(fresh_discovery):
-    fresh_discovery.setitem(sys.modules, "flash_mla", RecordingInterface("flash_mla", sched_meta=False))
-    provider, _ = fm.find_provider()
-    assert provider.sched_meta is None and provider.legacy_sparse
-    fm.find_provider.cache_clear()
-    fresh_discovery.setitem(sys.modules, "flash_mla", RecordingInterface("flash_mla", sched_meta=False,
-                                                                         legacy_topk=False))
-    assert not fm.find_provider()[0].has_sparse
+def test_vllm_build_is_the_fallback(fresh_discovery):
+    """No flash_mla: vLLM's interface serves dense / sparse / dense_ds, its FP8 extension dense_fp8; their
+    2026 interface makes schedules only inside a kernel call, so the first layer's decode makes it."""
+    interface, ops = _install_vllm(fresh_discovery)
+    providers = fm.find_providers()
+    assert _sources(providers) == {"dense": fm.VLLM_INTERFACE, "sparse": fm.VLLM_INTERFACE,
+                                   "dense_ds": fm.VLLM_INTERFACE, "dense_fp8": fm.FP8_EXTENSION_MODULE}
+    assert providers.found[1].ops is ops and f"{fm.SGL_MODULE}: " in providers.tried
+    assert BACKEND.decode_and_plan_op() is fm.DECODE_AND_PLAN_OP
 
 
-def test_discovery_vllm_build(fresh_discovery):
-    interface = RecordingInterface("vllm.third_party.flashmla.flash_mla_interface")
-    fresh_discovery.setitem(sys.modules, "flash_mla", types.ModuleType("flash_mla"))  # an unrelated module
-    fresh_discovery.setitem(sys.modules, "vllm.third_party.flashmla.flash_mla_interface", interface)
-    fresh_discovery.setitem(sys.modules, fm.FP8_EXTENSION_MODULE, types.ModuleType(fm.FP8_EXTENSION_MODULE))
-    ops = RecordingFP8Ops()
-    fresh_discovery.setattr(torch.ops, "_flashmla_extension_C", ops, raising=False)
-    provider, tried = fm.find_provider()
-    assert provider.interface is interface and provider.fp8_ops is ops
-    assert provider.name == "vllm.third_party.flashmla.flash_mla_interface + vllm._flashmla_extension_C"
-    assert "flash_mla: has no flash_mla_with_kvcache" in tried
+def test_sgl_wheel_without_legacy_kernels_falls_back_to_vllm(fresh_discovery):
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, RecordingSglModule(legacy=False))
+    _install_vllm(fresh_discovery)
+    providers = fm.find_providers()
+    assert set(_sources(providers).values()) == {fm.VLLM_INTERFACE, fm.FP8_EXTENSION_MODULE}
+    assert "flash_mla: built without its legacy" in providers.tried
+
+
+def test_deepseek_2026_package_then_vllm_fp8_extension(fresh_discovery):
+    """DeepSeek's own flash_mla (2026 interface: no dense FP8) serves what it has; the FP8 extension is
+    imported for dense_fp8 only."""
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, RecordingInterface(fm.SGL_MODULE))
+    _install_vllm(fresh_discovery)
+    providers = fm.find_providers()
+    assert _sources(providers) == {"dense": fm.SGL_MODULE, "sparse": fm.SGL_MODULE, "dense_ds": fm.SGL_MODULE,
+                                   "dense_fp8": fm.FP8_EXTENSION_MODULE}
+    assert isinstance(providers.found[0], fm.SchedMetaFlashMLA)
+    assert [p.name for p in providers.found] == [fm.SGL_MODULE, fm.FP8_EXTENSION_MODULE]  # vLLM's interface unused
+
+
+def test_legacy_interface_styles(fresh_discovery):
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, RecordingInterface(fm.SGL_MODULE, sched_meta=False))
+    providers = fm.find_providers()
+    assert isinstance(providers.found[0], fm.LegacyFlashMLA) and providers.found[0].modes == {"dense", "sparse",
+                                                                                            "dense_ds"}
+    fm.find_providers.cache_clear()
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, RecordingInterface(fm.SGL_MODULE, sched_meta=False,
+                                                                           legacy_topk=False))
+    assert fm.find_providers().found[0].modes == {"dense"}
+
+
+def test_unrelated_flash_mla_module_is_skipped(fresh_discovery):
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, types.ModuleType(fm.SGL_MODULE))
+    interface, _ = _install_vllm(fresh_discovery, fp8=False)
+    providers = fm.find_providers()
+    assert providers.for_mode("dense").module is interface
+    assert "flash_mla: has no flash_mla_with_kvcache" in providers.tried
+
+
+def test_info_shows_where_flashmla_was_loaded_from(fresh_discovery):
+    from mla_inductor.info import report
+
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, RecordingSglModule())
+    assert "flashmla kernels: dense bf16/fp16, dense fp8_e4m3, sparse fp8_ds_mla, dense fp8_ds_mla (sparse kernel) " \
+           "from flash_mla 1.0.0" in report()
 
 
 def test_import_is_lazy():

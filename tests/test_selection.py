@@ -44,22 +44,38 @@ def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
     """Only a static B=1 takes the single-sequence row; a symbolic batch (mark_unbacked) cannot."""
     problem = example_problem("cuda", "bf16", False, 128, 64, batch=batch)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=()).backend == want
-    fp8 = example_problem("cuda", "fp8_e4m3", False, 128, 64, batch=batch)
+    fp8 = example_problem("cuda", "fp8_e4m3", False, 128, 64, batch=batch, fp8_query=True)
     assert select_backend(fp8, SM90, available=EVERYTHING, preference=()).backend == "flashmla"
 
 
 @pytest.mark.parametrize("fmt,sparse,available,want", [
     ("bf16", False, EVERYTHING, "flashmla"),
     ("bf16", False, {**EVERYTHING, "flashmla": "not installed"}, "flashinfer_fa3"),
-    ("fp8_e4m3", False, EVERYTHING, "flashmla"),
+    ("fp8_e4m3", False, EVERYTHING, "triton"),  # FlashMLA-fp8 quantizes q: only for calls that opted in
     ("fp8_e4m3", False, {**EVERYTHING, "flashmla": "not installed"}, "triton"),
-    ("fp8_ds_mla", False, EVERYTHING, "triton"),
+    ("fp8_ds_mla", False, EVERYTHING, "flashmla"),  # its sparse kernel, every position as an index
     ("fp8_ds_mla", True, EVERYTHING, "flashmla"),
     ("bf16", False, {"reference": None}, "reference"),
 ])
 def test_sm90_choices_follow_the_h100_measurements(fmt, sparse, available, want):
     problem = example_problem("cuda", fmt, sparse, 128, 64)
     assert select_backend(problem, SM90, available=available, preference=()).backend == want
+
+
+@pytest.mark.parametrize("heads,want", [(128, "flashmla"), (64, "flashmla"), (16, "triton")])
+def test_sm90_dense_fp8_ds_mla_goes_to_flashmla_sparse_kernel_where_it_can(heads, want):
+    problem = example_problem("cuda", "fp8_ds_mla", False, heads, 64)
+    sel = select_backend(problem, SM90, available=EVERYTHING, preference=())
+    assert sel.backend == want
+    if want == "triton":
+        assert "64 or 128 heads, got 16" in sel.reasons[0]
+
+
+@pytest.mark.parametrize("opt_in,want", [(False, "triton"), (True, "flashmla")])
+def test_sm90_fp8_cache_quantizes_q_only_when_opted_in(opt_in, want):
+    problem = example_problem("cuda", "fp8_e4m3", False, 128, 64)
+    with mla_inductor.allow_fp8_query(opt_in):
+        assert select_backend(problem, SM90, available=EVERYTHING, preference=()).backend == want
 
 
 def test_reasons_name_each_backend_passed_over():
