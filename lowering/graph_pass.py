@@ -21,8 +21,14 @@ import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
 from mla_inductor.autotune import autotune_enabled, fastest_backend
 from mla_inductor.backends import availability, device_capability, get_backend, library_versions
-from mla_inductor.contract import DECODE_ARG_NAMES, DecodeProblem, check_decode_args, empty_decode_outputs
-from mla_inductor.selection import Selection, rank_backends, select_backend, user_preference
+from mla_inductor.contract import (
+    DECODE_ARG_NAMES,
+    OP_ARG_NAMES,
+    DecodeProblem,
+    check_decode_args,
+    empty_decode_outputs,
+)
+from mla_inductor.selection import Selection, fp8_query_allowed, rank_backends, select_backend, user_preference
 
 from mla_inductor.lowering._compat import (
     CustomGraphPass,
@@ -32,6 +38,7 @@ from mla_inductor.lowering._compat import (
     pattern_pass,
     set_post_grad_pass,
 )
+from mla_inductor.lowering.fp8_query import quantized_query_call
 
 log = logging.getLogger(__name__)
 _DECODE_OPS = {
@@ -40,10 +47,10 @@ _DECODE_OPS = {
 }
 
 
-def _bind_decode_args(args: tuple, kwargs: dict) -> list[Any]:
-    bound = list(args) + [None] * (len(DECODE_ARG_NAMES) - len(args))
+def _bind_decode_args(args: tuple, kwargs: dict, names: tuple[str, ...] = DECODE_ARG_NAMES) -> list[Any]:
+    bound = list(args) + [None] * (len(names) - len(args))
     for name, value in kwargs.items():
-        bound[DECODE_ARG_NAMES.index(name)] = value
+        bound[names.index(name)] = value
     return bound
 
 
@@ -84,6 +91,7 @@ class PlanOps:
     optional: set = field(default_factory=set)  # of those, plans whose run op also accepts an empty plan
     decode_and_plan: dict = field(default_factory=dict)  # plan op -> op returning [out, lse, *plan]
     out_only: set = field(default_factory=set)  # run ops returning out alone (calls whose lse nobody reads)
+    runs: set = field(default_factory=set)  # run ops taking the contract's eight arguments first
 
     def note(self, backend, with_lse: bool) -> None:
         """Record the ops of ``backend`` as the pass is about to use them (what it says now: a test may
@@ -92,6 +100,7 @@ class PlanOps:
         out_only = None if with_lse or op is None else backend.out_only_op()
         if out_only is not None:
             self.out_only.add(out_only)
+        self.runs.update(o for o in (op, out_only) if o is not None)
         if plan_op is not None:
             self.plans.add(plan_op)
             (self.optional.add if backend.plan_is_optional else self.optional.discard)(plan_op)
@@ -100,17 +109,22 @@ class PlanOps:
                 self.decode_and_plan[plan_op] = backend.decode_and_plan_op()
 
 
-def _replacement(backend, with_lse: bool, constants: dict[int, Any], node_positions: list[int]):
+def _replacement(backend, problem: DecodeProblem, with_lse: bool, constants: dict[int, Any],
+                 node_positions: list[int]):
     """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
     op, plan_op = backend.compiled_op(), backend.plan_op()
     out_only = None if with_lse or op is None else backend.out_only_op()
+    quantized = backend.quantized_query_op(problem)
 
     def replacement(*tensors):
-        full = [None] * len(DECODE_ARG_NAMES)
+        args = [None] * len(OP_ARG_NAMES)
         for i, value in constants.items():
-            full[i] = value
+            args[i] = value
         for i, value in zip(node_positions, tensors):
-            full[i] = value
+            args[i] = value
+        if quantized is not None:  # q's assembly and quantization become graph ops (lowering/fp8_query.py)
+            return quantized_query_call(quantized, plan_op, args, with_lse)
+        full = args[:len(DECODE_ARG_NAMES)]  # q_scale serves only backends that quantize q
         plan = plan_op(*full) if plan_op is not None and op is not None else []
         if out_only is not None:
             return out_only(*full, plan)
@@ -179,7 +193,7 @@ def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node, ops: PlanOps
     the separate plan node (which would run an extra decode) goes away."""
     decode_and_plan = ops.decode_and_plan.get(plan.target)
     consumers = _plan_consumers(plan)
-    if decode_and_plan is None or not consumers:
+    if decode_and_plan is None or not consumers or consumers[0].target not in ops.runs:
         return
     first = consumers[0]
     out_only = first.target in ops.out_only
@@ -211,7 +225,7 @@ def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node, ops: PlanOps
 def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
     node = match.nodes[0]
     with_lse = _DECODE_OPS[node.target]
-    bound = _bind_decode_args(args, kwargs)
+    bound = _bind_decode_args(args, kwargs, OP_ARG_NAMES)
     fake = [_fake(a) for a in bound]
     problem = check_decode_args(*fake)
     capability = device_capability(fake[0].device)
@@ -223,7 +237,7 @@ def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
     constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
     backend = get_backend(selection.backend)
     ops.note(backend, with_lse)
-    replacement = _replacement(backend, with_lse, constants, node_positions)
+    replacement = _replacement(backend, problem, with_lse, constants, node_positions)
     match.replace_by_example(replacement, [bound[i] for i in node_positions])
 
 
@@ -248,7 +262,7 @@ def _autotuned(problem, capability, selection, fake):
 
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
-    parts = [f"preference={user_preference()}", f"autotune={autotune_enabled()}",
+    parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
              f"available={sorted(availability().items())}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]
     if torch.cuda.is_available():

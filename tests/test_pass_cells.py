@@ -9,6 +9,8 @@ made once per forward (or by the first layer, for backends whose kernel makes it
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -110,7 +112,11 @@ def test_each_cell_is_rewritten_into_the_selected_backend(fake_gpu, cap, fmt, sp
     else:
         if plan is not None:
             check.check_count(_call(plan), 1, exactly=True)
-        check.check_count(_call(run), 2, exactly=True)
+        out_only = backend.out_only_op()
+        if out_only is not None:  # the first layer's lse is not read: the out-only op, then the run op
+            check.check_count(_call(out_only), 1, exactly=True).check_count(_call(run), 1, exactly=True)
+        else:
+            check.check_count(_call(run), 2, exactly=True)
     check.run(code)
 
 
@@ -134,3 +140,67 @@ def test_a_preference_changes_the_rewrite(fake_gpu, backend, cap, fmt):
     if b.plan_op() is not None:
         check.check_count(_call(b.plan_op()), 1, exactly=True)
     check.check_count(_call(b.compiled_op()), 2, exactly=True).check_not("mla_flashmla").run(gm.code)
+
+
+# ----------------------------------------------------------------------------- FP8 queries made by the compiler
+
+def fp8_query_layers(q_nope, q_pe, cache_a, cache_b, block_table, seq_lens, kv_scale, q_scale):
+    a = torch.ops.mla.paged_decode(q_nope, q_pe, cache_a, block_table, seq_lens, 0.07, kv_scale, None, q_scale)
+    b, lse = torch.ops.mla.paged_decode_with_lse(a, q_pe, cache_b, block_table, seq_lens, 0.07, kv_scale,
+                                                 q_scale=q_scale)
+    return b, lse
+
+
+def _lowered_fp8_query_layers(static_scale: bool, allow: bool) -> str:
+    from torch._inductor.virtualized import V
+
+    from mla_inductor.lowering import MLALoweringPass
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = list(_fake_inputs("fp8_e4m3", False)[:7])
+        inputs.append(torch.ones(1, dtype=torch.float32, device="cuda") if static_scale else None)
+        gm = make_fx(fp8_query_layers)(*inputs)
+    with V.set_fake_mode(mode), mode, (mla_inductor.allow_fp8_query() if allow else contextlib.nullcontext()):
+        MLALoweringPass()(gm.graph)
+    gm.recompile()
+    return gm.code
+
+
+QUANTIZE_TO_E4M3 = "torch.ops.prims.convert_element_type.default(clamp_max_default"
+
+
+@pytest.mark.parametrize("static_scale,allow", [(True, False), (False, True), (True, True)],
+                         ids=["static-q_scale", "allowed-dynamic", "static-and-allowed"])
+def test_fp8_query_is_assembled_and_quantized_in_the_graph(fake_gpu, static_scale, allow):
+    """SM90, fp8_e4m3 cache, the caller opted in: each call becomes q's assembly (cat) and quantization
+    (amax unless the scale is static, div, clamp, cast to e4m3) as aten ops Inductor can fuse into q's
+    producers, then FlashMLA's op on the e4m3 query; one plan for both layers, on the device."""
+    fake_gpu(CAPABILITIES["SM90"])
+    code = _lowered_fp8_query_layers(static_scale, allow)
+    run, plan = flashmla.QUANTIZED_QUERY_OP, flashmla.PLAN_OP
+    assert "torch.ops.mla.paged_decode" not in code and "torch.ops.mla_flashmla.decode.default(" not in code, code
+    assert code.count(_call(plan)) == 1, code  # made once, by the first layer's query shape, for both
+    check = FileCheck()
+    for _ in range(2):
+        check.check("torch.ops.aten.cat.default([")
+        if not static_scale:
+            check.check("torch.ops.aten.amax.default(")
+        check.check("torch.ops.aten.div.Tensor(").check(QUANTIZE_TO_E4M3).check("torch.float8_e4m3fn)")
+        check.check(_call(run))
+    check.run(code)
+    if static_scale:  # the static scale is the descale: no amax pass anywhere
+        assert "aten.amax" not in code and code.count("q_scale_1") >= 3, code
+    assert code.count(_call(run)) == 2 and code.count(", torch.bfloat16)") == 2, code  # out dtype: q's
+
+
+def test_fp8_cache_keeps_a_bf16_query_by_default(fake_gpu):
+    """Without a q_scale or allow_fp8_query, an fp8 cache goes to a kernel that reads q in bf16 (ours on
+    SM90): no quantization of q in the graph, and FlashMLA-fp8 says why it passed."""
+    fake_gpu(CAPABILITIES["SM90"])
+    code = _lowered_fp8_query_layers(static_scale=False, allow=False)
+    assert "mla_flashmla" not in code and "aten.amax" not in code and QUANTIZE_TO_E4M3 not in code, code
+    assert code.count(_call(get_backend("triton").compiled_op())) == 2, code
+    problem = example_problem("cuda", "fp8_e4m3", False, H, 64, batch=T)
+    sel = select_backend(problem, CAPABILITIES["SM90"], available=EVERYTHING, preference=())
+    assert sel.backend == "triton" and "opt in with a static q_scale" in sel.reasons[0], sel
