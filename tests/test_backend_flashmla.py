@@ -24,7 +24,7 @@ import torch
 import mla_inductor
 from mla_inductor.backends import flashmla as fm
 from mla_inductor.backends import registered_backends
-from mla_inductor.backends._common import quantize_query_fp8
+from mla_inductor.backends._common import quantize_query_fp8, quantize_query_reference
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
@@ -583,6 +583,135 @@ def test_decode_op_opcheck(provider):
     x = make_decode_inputs([1, 65], num_heads=2, q_per_seq=2)
     torch.library.opcheck(torch.ops.mla_flashmla.decode.default, (*x.args(), []),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- sgl-flash-mla marshalling (CPU)
+
+def _sgl_calls(sgl, name):
+    return [c for c in sgl.calls if c[0] == name]
+
+
+@pytest.mark.parametrize("Q", [1, 2])
+def test_sgl_dense_uses_legacy_kernels_and_hoisted_metadata(provider, Q):
+    """The call that failed before ('pass use_legacy=True'): metadata from get_mla_decoding_metadata (no
+    attention run to make it), assigned onto a fresh FlashMLASchedMeta, the kernel with use_legacy=True."""
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    H = 3
+    x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q)
+    plan = torch.ops.mla_flashmla.plan(*x.args())
+    (_, margs, mkw), = _sgl_calls(sgl, "get_mla_decoding_metadata")
+    assert margs[0] is x.seq_lens and margs[1:] == (Q * H, 1, H)
+    assert mkw == dict(is_fp8_kvcache=False, topk=None, use_legacy=True)
+    assert not _sgl_calls(sgl, "flash_mla_with_kvcache")  # planning ran no attention
+    out, lse = torch.ops.mla_flashmla.decode(*x.args(), plan)
+    _check_layout(out, lse, _expected_rows(SEQ_LENS, Q, H))
+    (_, args, kwargs), = _sgl_calls(sgl, "flash_mla_with_kvcache")
+    meta = args[5]
+    assert meta.tile_scheduler_metadata is plan[0] and meta.num_splits is plan[1] and args[2] is plan[3]
+    assert kwargs["causal"] == (Q > 1) and kwargs["indices"] is None and not kwargs["is_fp8_kvcache"]
+    sgl.calls.clear()
+    eager_out, eager_lse = BACKEND.decode(*x.args())  # eager: plans itself, same result
+    assert torch.equal(eager_out, out) and torch.equal(eager_lse, lse)
+
+
+@pytest.mark.parametrize("static_scale", [False, True], ids=["measured-scale", "static-q_scale"])
+def test_sgl_dense_fp8_quantizes_the_query_with_one_scale(provider, static_scale):
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    H, Q = 3, 2
+    x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_e4m3", q_dtype=torch.float16)
+    q = torch.cat([x.q_nope, x.q_pe], -1).float()
+    q_scale = (q.abs().amax() / 300).reshape(1) if static_scale else None  # calibrated with headroom
+    out, lse = BACKEND.decode_with_q_scale(*x.args(), q_scale)
+    assert out.dtype == torch.float16
+    _check_layout(out, lse, _expected_rows(SEQ_LENS, Q, H))
+    (_, margs, mkw), = _sgl_calls(sgl, "get_mla_decoding_metadata")
+    assert torch.equal(margs[0], x.seq_lens.clamp_min(1)) and mkw["is_fp8_kvcache"] and mkw["topk"] is None
+    (_, args, kwargs), = _sgl_calls(sgl, "flash_mla_with_kvcache")
+    q8, kcache, table, lens = args[:4]
+    assert lens is margs[0]  # the kernel sees the lengths its schedule was made from
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == (len(SEQ_LENS), Q, H, 576)
+    assert kwargs["is_fp8_kvcache"] is True and kwargs["descale_k"] is x.kv_scale and kwargs["causal"] is True
+    expected_q8, expected_descale = quantize_query_reference(q.view(len(SEQ_LENS), Q, H, 576), q_scale)
+    torch.testing.assert_close(kwargs["descale_q"], expected_descale)
+    assert torch.equal(q8.view(torch.uint8), expected_q8.view(torch.uint8))
+    if static_scale:
+        assert kwargs["descale_q"] is q_scale or torch.equal(kwargs["descale_q"], q_scale)
+
+
+def test_quantized_query_op_takes_the_compilers_e4m3_query(provider):
+    """mla_flashmla::decode_quantized_query, the op the pass calls after quantizing q in the graph: the
+    e4m3 query and its descale reach the kernel untouched; out in the requested dtype."""
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    H, Q = 2, 2
+    x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_e4m3")
+    q8, descale = quantize_query_reference(torch.cat([x.q_nope, x.q_pe], -1))
+    args = (q8, descale, x.kv_cache, x.block_table, x.seq_lens, x.softmax_scale, x.kv_scale, None, [], torch.bfloat16)
+    out, lse = torch.ops.mla_flashmla.decode_quantized_query(*args)
+    assert out.shape == (len(SEQ_LENS) * Q, H, 512) and out.dtype == torch.bfloat16
+    _check_layout(out, lse, _expected_rows(SEQ_LENS, Q, H))
+    kernel_q, kwargs = sgl.calls[-1][1][0], sgl.calls[-1][2]
+    assert kernel_q.data_ptr() == q8.data_ptr() and kwargs["descale_q"] is descale
+    torch.library.opcheck(torch.ops.mla_flashmla.decode_quantized_query.default, args,
+                          test_utils=("test_faketensor",))
+    with pytest.raises(TypeError, match=r"q must be \[T, H, 576\] float8_e4m3fn"):
+        torch.ops.mla_flashmla.decode_quantized_query(torch.cat([x.q_nope, x.q_pe], -1), *args[1:])
+
+
+def test_sgl_sparse_schedules_k_keys_per_sequence(provider):
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    H, Q, K = 64, 2, 8
+    x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_ds_mla", topk=K)
+    out, lse = BACKEND.decode(*x.args())
+    (_, margs, mkw), = _sgl_calls(sgl, "get_mla_decoding_metadata")
+    assert margs[0].tolist() == [64] * len(SEQ_LENS) and margs[1:] == (Q * H, 1, H)
+    assert mkw == dict(is_fp8_kvcache=True, topk=64, use_legacy=True)
+    (_, args, kwargs), = _sgl_calls(sgl, "flash_mla_with_kvcache")
+    assert args[2] is None and args[3] is None and kwargs["causal"] is False and kwargs["is_fp8_kvcache"]
+    assert torch.equal(kwargs["indices"][..., :K].reshape(-1, K), x.sparse_indices)
+    _check_layout(out, lse, _expected_rows(SEQ_LENS, Q, H, x.sparse_indices))
+
+
+@pytest.mark.parametrize("Q", [1, 2])
+def test_dense_fp8_ds_mla_runs_the_sparse_kernel_on_every_visible_position(provider, Q):
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    H = 64
+    x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_ds_mla")
+    plan = torch.ops.mla_flashmla.plan(*x.args())
+    indices = plan[3]
+    assert torch.equal(indices, fm.dense_slot_indices(x.block_table, x.seq_lens, 64, len(SEQ_LENS) * Q))
+    out, lse = torch.ops.mla_flashmla.decode(*x.args(), plan)
+    _check_layout(out, lse, _expected_rows(SEQ_LENS, Q, H))  # rows with seq_len - Q + j < 0 are empty
+    (_, args, kwargs), = _sgl_calls(sgl, "flash_mla_with_kvcache")
+    assert kwargs["indices"].shape == (len(SEQ_LENS), Q, indices.shape[-1]) and kwargs["causal"] is False
+    assert args[1].shape[-1] == 656 and args[2] is None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("Q", [1, 2])
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_dense_slot_indices_mean_the_dense_call(fmt, Q, page_size):
+    """The reference on the built indices (a sparse call) is the reference of the dense call itself:
+    same positions, causal rows included; -1 garbage in the block table never becomes a slot."""
+    L, R = (512, 64) if fmt == "fp8_ds_mla" else (32, 16)
+    x = make_decode_inputs([0, 1, page_size - 1, page_size, 2 * page_size + 3], num_heads=2, q_per_seq=Q, fmt=fmt,
+                           kv_lora_rank=L, rope_dim=R, page_size=page_size, max_pages=4, seed=Q + page_size)
+    T = x.q_nope.shape[0]
+    indices = fm.dense_slot_indices(x.block_table, x.seq_lens, page_size, T)
+    assert indices.dtype == torch.int32 and indices.shape[1] % 64 == 0 and indices.shape[1] >= 4 * page_size
+    counts = (indices >= 0).sum(1)
+    assert counts.tolist() == fm.visible_key_counts(x.seq_lens, T).tolist()
+    assert bool((indices.ge(0).int().diff(dim=1) <= 0).all())  # a prefix of valid slots, then -1
+    capacity = x.kv_cache.shape[0] * page_size
+    assert bool(((indices == -1) | ((indices >= 0) & (indices < capacity))).all())
+    dense = paged_decode_reference(*x.args())
+    sparse = paged_decode_reference(*x.args()[:7], indices)
+    torch.testing.assert_close(sparse[0], dense[0], rtol=0, atol=0)
+    torch.testing.assert_close(sparse[1], dense[1], rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- GPU
