@@ -11,6 +11,7 @@ CUDA-graph replays with seq_lens changed in place between them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import sys
@@ -717,16 +718,44 @@ def test_dense_slot_indices_mean_the_dense_call(fmt, Q, page_size):
 # ----------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
+SOURCES = ("sgl-flash-mla", "vllm")  # every GPU test runs on each provider that is importable
 
 
-def _skip_unless(mode: str):
-    provider, tried = fm.find_provider()
-    if provider is None:
-        pytest.skip(f"no FlashMLA provider is importable ({tried})")
-    cap = torch.cuda.get_device_capability()
-    problem = _problem(cache_format={"dense": "bf16", "dense_fp8": "fp8_e4m3", "sparse": "fp8_ds_mla"}[mode],
-                       num_heads=64, sparse=mode == "sparse", topk=128 if mode == "sparse" else None)
-    reason = BACKEND.supports(problem, cap)
+def _providers_of(source: str) -> fm.Providers:
+    """The providers of one source alone: the sgl-flash-mla wheel's ``flash_mla``, or vLLM's build (its
+    interface and its dense FP8 extension). Skips when that source is not importable here."""
+    tried: list[str] = []
+    if source == "sgl-flash-mla":
+        found = [fm._interface_from_module(fm.SGL_MODULE, tried)]
+        if found[0] is not None and not isinstance(found[0], fm.SglFlashMLA):
+            pytest.skip(f"{fm.SGL_MODULE} is importable but is not the sgl-flash-mla wheel ({found[0]!r})")
+    else:
+        found = [fm._interface_from_module(fm.VLLM_INTERFACE, tried), fm.fp8_extension_provider(tried)]
+    found = tuple(p for p in found if p is not None)
+    if not found:
+        pytest.skip(f"FlashMLA from {source} is not importable: {'; '.join(tried)}")
+    return fm.Providers(found, "; ".join(tried))
+
+
+@pytest.fixture(params=SOURCES)
+def source(request, monkeypatch):
+    """Route the backend to one provider source; yields its name."""
+    providers = _providers_of(request.param)
+    monkeypatch.setattr(fm, "find_providers", lambda: providers)
+    yield request.param
+
+
+MODE_FORMATS = {"dense": "bf16", "dense_fp8": "fp8_e4m3", "sparse": "fp8_ds_mla", "dense_ds": "fp8_ds_mla"}
+
+
+def _skip_unless(mode: str, num_heads: int = 64):
+    providers = fm.find_providers()
+    if providers.for_mode(mode) is None:
+        pytest.skip(f"no importable FlashMLA provider has {fm.MODE_NAMES[mode]} (found: {providers.summary()}; "
+                    f"tried: {providers.tried})")
+    problem = _problem(cache_format=MODE_FORMATS[mode], num_heads=num_heads, sparse=mode == "sparse",
+                       topk=128 if mode == "sparse" else None, fp8_query=mode == "dense_fp8")
+    reason = BACKEND.supports(problem, torch.cuda.get_device_capability())
     if reason is not None:
         pytest.skip(f"FlashMLA {mode} cannot run here: {reason}")
 
@@ -737,11 +766,42 @@ def _poison_allocator():
     del junk
 
 
+def _poison_unread_slots(x, mode: str) -> int:
+    """Fill every cache slot the call must not read with NaN bytes (0xFF is NaN in bf16, fp16, fp32 and
+    e4m3fn, and in fp8_ds_mla's scales and rope): pages no sequence uses for the dense kernels (they read
+    whole pages), every slot not listed (sparse) or not visible (dense_ds) for the sparse kernel. Call it
+    after computing the reference, which gathers garbage slots and masks them. Returns how many slots."""
+    P, page = x.kv_cache.shape[:2]
+    keep = torch.zeros(P * page, dtype=torch.bool, device=x.kv_cache.device)
+    T = x.q_nope.shape[0]
+    if mode == "sparse":
+        listed = x.sparse_indices[x.sparse_indices >= 0].long()
+        keep[listed] = True
+    elif mode == "dense_ds":
+        indices = fm.dense_slot_indices(x.block_table, x.seq_lens, page, T)
+        keep[indices[indices >= 0].long()] = True
+    else:
+        for b, n in enumerate(x.seq_lens.tolist()):
+            for p in x.block_table[b, : -(-n // page)].tolist():
+                keep[p * page: (p + 1) * page] = True
+    flat = x.kv_cache.view(P * page, -1).view(torch.uint8)
+    flat[~keep] = 0xFF
+    return int((~keep).sum())
+
+
 def _compare(x, out, lse, tol, lse_tol=1e-3, ref=None):
     ref_out, ref_lse = ref if ref is not None else paged_decode_reference(*x.args())
     e_out, e_lse = relative_error(out, ref_out), relative_error(lse, ref_lse)
     assert e_out <= tol and e_lse <= lse_tol, f"out error {e_out:.2e} (tol {tol}), lse error {e_lse:.2e}"
     return e_out, e_lse
+
+
+def _run_poisoned(x, mode, run):
+    """The reference first, then the unread slots and the allocator poisoned, then ``run()``."""
+    ref = paged_decode_reference(*x.args())
+    assert _poison_unread_slots(x, mode) > 0
+    _poison_allocator()
+    return ref, run()
 
 
 GPU_SEQ_LENS = [0, 1, 63, 64, 65, 300]
@@ -752,63 +812,91 @@ FP8_QUERY_TOL, FP8_QUERY_LSE_TOL = 3e-2, 1e-2  # dense FP8 vs the bf16-query ref
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("H", [16, 64, 128])
 @pytest.mark.parametrize("Q", [1, 2])
-def test_gpu_dense_matches_reference(dtype, H, Q):
+def test_gpu_dense_matches_reference(source, dtype, H, Q):
     _skip_unless("dense")
     fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     x = make_decode_inputs(GPU_SEQ_LENS, num_heads=H, q_per_seq=Q, fmt=fmt, q_dtype=dtype, device="cuda",
                            seed=H + Q)
-    _poison_allocator()
-    out, lse = BACKEND.decode(*x.args())
-    e = _compare(x, out, lse, TOLERANCE[dtype])
+    ref, (out, lse) = _run_poisoned(x, "dense", lambda: BACKEND.decode(*x.args()))
+    e = _compare(x, out, lse, TOLERANCE[dtype], ref=ref)
     _poison_allocator()
     plan = torch.ops.mla_flashmla.plan(*x.args())
     out2, lse2 = torch.ops.mla_flashmla.decode(*x.args(), plan)
-    _compare(x, out2, lse2, TOLERANCE[dtype])
-    print(f"dense {fmt} H={H} Q={Q}: out error {e[0]:.2e}, lse error {e[1]:.2e}")
+    _compare(x, out2, lse2, TOLERANCE[dtype], ref=ref)
+    print(f"{source} dense {fmt} H={H} Q={Q}: out error {e[0]:.2e}, lse error {e[1]:.2e}")
+
+
+def _calibrated_q_scale(x, seed: int) -> torch.Tensor:
+    """A static q_scale as a user would calibrate it: on other activations of the same distribution,
+    with 25% headroom."""
+    other = make_decode_inputs([8], num_heads=x.q_nope.shape[1], q_per_seq=16, device="cuda", seed=seed)
+    return (torch.cat([other.q_nope, other.q_pe], -1).float().abs().amax() * 1.25 / 448).reshape(1)
 
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("Q", [1, 2])
-def test_gpu_dense_fp8_matches_reference(H, Q):
-    """The kernel quantizes q to e4m3 too (per tensor, amax / 448). Against the reference on the
-    dequantized cache *and* dequantized query the error is the kernel's own (it also runs P.V in fp8:
-    measured 5.7e-3 .. 8.5e-3 on H100, under the bf16 bound). Against the bf16 query it adds what e4m3
-    costs a query: 3 mantissa bits, <= 6.25% per element but unbiased, so it averages down over the
-    576-term logits (logit error ~0.036 * |logit| RMS) and the softmax; measured total 6.7e-3 .. 9.7e-3
-    (lse 1.1e-3 .. 1.6e-3), bounded here by 3e-2 (lse 1e-2)."""
+@pytest.mark.parametrize("scale", ["measured", "static"])
+def test_gpu_dense_fp8_matches_reference(source, H, Q, scale):
+    """The kernel takes q in e4m3 (per tensor: the measured amax / 448, or a calibrated static q_scale).
+    Against the reference on the dequantized cache *and* dequantized query the error is the kernel's own
+    (it also runs P.V in fp8: measured 5.7e-3 .. 8.5e-3 on H100 with the measured scale, under the bf16
+    bound). Against the bf16 query it adds what e4m3 costs a query (tests/test_fp8_query.py), measured
+    6.7e-3 .. 9.7e-3 in total (lse 1.1e-3 .. 1.6e-3) with the measured scale, bounded here by 3e-2 (1e-2)."""
     _skip_unless("dense_fp8")
     x = make_decode_inputs(GPU_SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_e4m3", device="cuda", seed=7 + H + Q)
-    _poison_allocator()
-    out, lse = BACKEND.decode(*x.args())
-    q8, q_descale = quantize_query_fp8(torch.cat([x.q_nope, x.q_pe], -1))
-    qd = (q8.float() * q_descale).to(torch.bfloat16)
-    ref_qd = paged_decode_reference(qd[..., :512], qd[..., 512:], *x.args()[2:])
+    q_scale = _calibrated_q_scale(x, seed=H + Q) if scale == "static" else None
+    q8, descale = quantize_query_reference(torch.cat([x.q_nope, x.q_pe], -1), q_scale)
+    qd = (q8.float() * descale).to(torch.bfloat16)
+    ref_qd = paged_decode_reference(qd[..., :512], qd[..., 512:], *x.args()[2:])  # before the poison
+    ref, (out, lse) = _run_poisoned(x, "dense_fp8", lambda: BACKEND.decode_with_q_scale(*x.args(), q_scale))
     e_kernel = _compare(x, out, lse, TOLERANCE[torch.bfloat16], ref=ref_qd)
-    e_total = _compare(x, out, lse, FP8_QUERY_TOL, lse_tol=FP8_QUERY_LSE_TOL)
-    print(f"dense fp8 H={H} Q={Q}: vs dequantized-q reference out {e_kernel[0]:.2e} lse {e_kernel[1]:.2e}; "
-          f"vs bf16-q reference out {e_total[0]:.2e} lse {e_total[1]:.2e}")
+    e_total = _compare(x, out, lse, FP8_QUERY_TOL, lse_tol=FP8_QUERY_LSE_TOL, ref=ref)
+    # the compiler's path: the e4m3 query made outside, handed to decode_quantized_query
+    _poison_allocator()
+    out2, lse2 = torch.ops.mla_flashmla.decode_quantized_query(q8, descale, *x.args()[2:], [], torch.bfloat16)
+    _compare(x, out2, lse2, FP8_QUERY_TOL, lse_tol=FP8_QUERY_LSE_TOL, ref=ref)
+    print(f"{source} dense fp8 ({scale} q scale) H={H} Q={Q}: vs dequantized-q reference out {e_kernel[0]:.2e} "
+          f"lse {e_kernel[1]:.2e}; vs bf16-q reference out {e_total[0]:.2e} lse {e_total[1]:.2e}")
 
 
 @gpu
 @pytest.mark.parametrize("H", [64, 128])
 @pytest.mark.parametrize("Q", [1, 2])
 @pytest.mark.parametrize("topk", [64, 128, 100])
-def test_gpu_sparse_matches_reference(H, Q, topk):
+def test_gpu_sparse_matches_reference(source, H, Q, topk):
     _skip_unless("sparse")
     x = make_decode_inputs(GPU_SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_ds_mla", topk=topk, device="cuda",
                            seed=3 + H + Q + topk)
     assert bool((x.sparse_indices < 0).any())  # padding present (short rows) and an all-padding row (seq_len 0)
-    _poison_allocator()
-    out, lse = BACKEND.decode(*x.args())
-    e = _compare(x, out, lse, TOLERANCE[torch.bfloat16])
+    ref, (out, lse) = _run_poisoned(x, "sparse", lambda: BACKEND.decode(*x.args()))
+    e = _compare(x, out, lse, TOLERANCE[torch.bfloat16], ref=ref)
     plan = torch.ops.mla_flashmla.plan(*x.args())
-    _compare(x, *torch.ops.mla_flashmla.decode(*x.args(), plan), TOLERANCE[torch.bfloat16])
-    print(f"sparse H={H} Q={Q} topk={topk}: out error {e[0]:.2e}, lse error {e[1]:.2e}")
+    _compare(x, *torch.ops.mla_flashmla.decode(*x.args(), plan), TOLERANCE[torch.bfloat16], ref=ref)
+    print(f"{source} sparse H={H} Q={Q} topk={topk}: out error {e[0]:.2e}, lse error {e[1]:.2e}")
 
 
 @gpu
-def test_gpu_opcheck():
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("Q", [1, 2])
+@pytest.mark.parametrize("max_pages", [None, 9])
+def test_gpu_dense_fp8_ds_mla_matches_reference(source, H, Q, max_pages):
+    """A dense call on the 656-byte cache through the sparse kernel: every slot past each row's visible
+    prefix is NaN, so a kernel that read a -1 index (or the tail of a page) would fail."""
+    _skip_unless("dense_ds", num_heads=H)
+    x = make_decode_inputs(GPU_SEQ_LENS, num_heads=H, q_per_seq=Q, fmt="fp8_ds_mla", device="cuda", seed=11 + H + Q,
+                           max_pages=max_pages)
+    ref, (out, lse) = _run_poisoned(x, "dense_ds", lambda: BACKEND.decode(*x.args()))
+    e = _compare(x, out, lse, TOLERANCE[torch.bfloat16], ref=ref)
+    _poison_allocator()
+    plan = torch.ops.mla_flashmla.plan(*x.args())
+    _compare(x, torch.ops.mla_flashmla.decode_out(*x.args(), plan), lse, TOLERANCE[torch.bfloat16], ref=ref)
+    print(f"{source} dense fp8_ds_mla H={H} Q={Q} max_pages={max_pages}: out error {e[0]:.2e}, "
+          f"lse error {e[1]:.2e}")
+
+
+@gpu
+def test_gpu_opcheck(source):
     _skip_unless("dense")
     x = make_decode_inputs([1, 65], num_heads=16, q_per_seq=2, device="cuda")
     plan = torch.ops.mla_flashmla.plan(*x.args())
@@ -819,17 +907,17 @@ def test_gpu_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def _two_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
-    a = torch.ops.mla.paged_decode(q1, p1, c1, block_table, seq_lens, scale, kv_scale)
-    b, lse = torch.ops.mla.paged_decode_with_lse(q2, p2, c2, block_table, seq_lens, scale, kv_scale)
+def _two_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale, q_scale=None):
+    a = torch.ops.mla.paged_decode(q1, p1, c1, block_table, seq_lens, scale, kv_scale, None, q_scale)
+    b, lse = torch.ops.mla.paged_decode_with_lse(q2, p2, c2, block_table, seq_lens, scale, kv_scale, None, q_scale)
     return a, b, lse
 
 
-def _chained_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale):
+def _chained_layers(q1, p1, q2, p2, c1, c2, block_table, seq_lens, scale, kv_scale, q_scale=None):
     """Layer 2 reads layer 1's output, so layer 1 (with lse) comes first in any graph order and layer 2
     (no lse) is the one handed the plan."""
-    b, lse = torch.ops.mla.paged_decode_with_lse(q1, p1, c1, block_table, seq_lens, scale, kv_scale)
-    a = torch.ops.mla.paged_decode(b, p2, c2, block_table, seq_lens, scale, kv_scale)
+    b, lse = torch.ops.mla.paged_decode_with_lse(q1, p1, c1, block_table, seq_lens, scale, kv_scale, None, q_scale)
+    a = torch.ops.mla.paged_decode(b, p2, c2, block_table, seq_lens, scale, kv_scale, None, q_scale)
     return b, a, lse
 
 
@@ -842,7 +930,7 @@ def _two_layer_inputs(seq_lens, H=16, Q=1, fmt="bf16"):
 
 
 def _check_two_layers(args, result, tol, lse_tol=1e-3, chained=False):
-    q1, p1, q2, p2, c1, c2, table, lens, scale, kv_scale = args
+    q1, p1, q2, p2, c1, c2, table, lens, scale, kv_scale = args[:10]
     r1 = paged_decode_reference(q1, p1, c1, table, lens, scale, kv_scale)
     r2 = paged_decode_reference(result[0] if chained else q2, p2, c2, table, lens, scale, kv_scale)
     assert relative_error(result[0], r1[0]) <= tol
@@ -850,49 +938,92 @@ def _check_two_layers(args, result, tol, lse_tol=1e-3, chained=False):
     assert relative_error(result[2], (r1 if chained else r2)[1]) <= lse_tol
 
 
+def _expected_plan_ops(code: str, calls: int = 2) -> None:
+    """One schedule per forward: a plan op where the provider makes it on the device, else the first
+    layer's decode_and_plan; never both, never a second one."""
+    if BACKEND.decode_and_plan_op() is None:
+        assert code.count("mla_flashmla.plan.default(") == 1 and "decode_and_plan" not in code, code
+    else:
+        assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
+        assert "mla_flashmla.plan.default(" not in code, code
+
+
 @gpu
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
-def test_gpu_compiled_calls_flashmla(fmt):
-    _skip_unless("dense" if fmt == "bf16" else "dense_fp8")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_gpu_compiled_calls_flashmla(source, fmt):
+    mode = {"bf16": "dense", "fp8_ds_mla": "dense_ds"}[fmt]
+    H = 16 if fmt == "bf16" else 64
+    _skip_unless(mode, num_heads=H)
     import mla_inductor.lowering  # noqa: F401 - installs the pass
     from torch._inductor.utils import run_and_get_code
 
-    args = _two_layer_inputs([0, 1, 63, 64, 65, 300], H=16, Q=2, fmt=fmt)
+    args = _two_layer_inputs([0, 1, 63, 64, 65, 300], H=H, Q=2, fmt=fmt)
     torch._dynamo.reset()
+    _poison_allocator()
     with mla_inductor.prefer_backends("flashmla"):
         result, (code, *_) = run_and_get_code(torch.compile(_two_layers, fullgraph=True), *args)
-    # The first layer (in graph order) makes the schedule while decoding and hands it to the second: no
-    # separate plan. The second is decode, or decode_out if it is the call without lse.
-    assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
-    assert code.count("mla_flashmla.decode.default(") + code.count("mla_flashmla.decode_out.default(") == 1, code
-    assert "mla_flashmla.plan.default(" not in code, code
-    # fp8: the kernel also quantizes q (see test_gpu_dense_fp8_matches_reference for the bound)
-    tol, lse_tol = (TOLERANCE[torch.bfloat16], 1e-3) if fmt == "bf16" else (FP8_QUERY_TOL, FP8_QUERY_LSE_TOL)
-    _check_two_layers(args, result, tol, lse_tol=lse_tol)
-    # A later call whose lse nobody reads gets the out-only op (no epilogue kernel for bf16).
+    _expected_plan_ops(code)
+    runs = [op for op in ("decode_and_plan", "decode", "decode_out") if f"mla_flashmla.{op}.default(" in code]
+    assert sum(code.count(f"mla_flashmla.{op}.default(") for op in runs) == 2, code
+    _check_two_layers(args, result, TOLERANCE[torch.bfloat16])
+    # A later call whose lse nobody reads gets the out-only op (no epilogue kernel).
     torch._dynamo.reset()
     _poison_allocator()
     with mla_inductor.prefer_backends("flashmla"):
         result, (code, *_) = run_and_get_code(torch.compile(_chained_layers, fullgraph=True), *args)
-    assert code.count("mla_flashmla.decode_and_plan.default(") == 1, code
+    _expected_plan_ops(code)
     assert code.count("mla_flashmla.decode_out.default(") == 1 and "mla_flashmla.decode.default(" not in code, code
-    _check_two_layers(args, result, tol, lse_tol=lse_tol, chained=True)
+    _check_two_layers(args, result, TOLERANCE[torch.bfloat16], chained=True)
 
 
 @gpu
-def test_gpu_cuda_graph_replays_follow_seq_lens():
-    _skip_unless("dense")
+@pytest.mark.parametrize("scale", ["static", "measured"])
+def test_gpu_compiled_fp8_query_made_by_the_compiler(source, scale):
+    """fp8_e4m3 cache, the call opted in: the generated code quantizes q in Inductor kernels (fused with
+    the cat) and calls decode_quantized_query; results within the e4m3-query bound. Without opting in the
+    same graph keeps q in bf16 (another backend, no e4m3 query)."""
+    _skip_unless("dense_fp8")
+    import mla_inductor.lowering  # noqa: F401
+    from torch._inductor.utils import run_and_get_code
+
+    args = _two_layer_inputs([0, 1, 63, 64, 65, 300], H=16, Q=2, fmt="fp8_e4m3")
+    q_scale = _calibrated_q_scale(make_decode_inputs([1], num_heads=16, device="cuda"), seed=5)
+    torch._dynamo.reset()
+    _poison_allocator()
+    with contextlib.ExitStack() as stack:
+        if scale == "measured":
+            stack.enter_context(mla_inductor.allow_fp8_query())
+        result, (code, *_) = run_and_get_code(torch.compile(_two_layers, fullgraph=True), *args,
+                                              q_scale if scale == "static" else None)
+    assert code.count("mla_flashmla.decode_quantized_query.default(") == 2, code
+    assert code.count("mla_flashmla.plan.default(") == 1 and "float8e4nv" in code, code  # cast in Inductor's kernel
+    _check_two_layers(args, result, FP8_QUERY_TOL, lse_tol=FP8_QUERY_LSE_TOL)
+    torch._dynamo.reset()
+    result, (code, *_) = run_and_get_code(torch.compile(_two_layers, fullgraph=True), *args)
+    assert "decode_quantized_query" not in code and "float8e4nv" not in code, code
+    _check_two_layers(args, result, TOLERANCE[torch.bfloat16])
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
+def test_gpu_cuda_graph_replays_follow_seq_lens(source, fmt):
+    mode = {"bf16": "dense", "fp8_e4m3": "dense_fp8", "fp8_ds_mla": "dense_ds"}[fmt]
+    H = 16 if fmt != "fp8_ds_mla" else 64
+    _skip_unless(mode, num_heads=H)
     import mla_inductor.lowering  # noqa: F401
 
-    args = _two_layer_inputs([300, 130, 64, 65], H=16, Q=1)
+    args = _two_layer_inputs([300, 130, 64, 65], H=H, Q=1, fmt=fmt)
+    q_scale = _calibrated_q_scale(make_decode_inputs([1], num_heads=H, device="cuda"), seed=3)
+    tol, lse_tol = (FP8_QUERY_TOL, FP8_QUERY_LSE_TOL) if fmt == "fp8_e4m3" else (TOLERANCE[torch.bfloat16], 1e-3)
     lens = args[7]
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with mla_inductor.prefer_backends("flashmla"):
         step = torch.compile(_chained_layers, mode="reduce-overhead", fullgraph=True)
         for new_lens in ([300, 130, 64, 65], [1, 0, 63, 2], [257, 129, 30, 64], [0, 0, 0, 1], [300, 130, 64, 65]):
             lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-            result = step(*args)  # layer 2 is the out-only op: its empty rows are the kernel's zeros
-            _check_two_layers(args, [r.clone() for r in result], TOLERANCE[torch.bfloat16], chained=True)
+            result = step(*args, q_scale if fmt == "fp8_e4m3" else None)
+            _check_two_layers(args, [r.clone() for r in result], tol, lse_tol=lse_tol, chained=True)
     counters = torch._dynamo.utils.counters["inductor"]
     assert counters["cudagraph_skips"] == 0, dict(counters)
 
