@@ -2,8 +2,8 @@
 61-layer decode step under CUDA graphs vs the same kernels called by hand with one plan.
 
     python benchmarks/bench_pass.py [--quick] [--layers 61] [--backends chosen,flashmla,flashinfer_fa3]
-        [--cases 0-3 | --case var,64,16,8192 ...] [--formats bf16,fp8_e4m3] [--no-sparse] [--no-step]
-        [--out DIR]
+        [--cases 0-3 | --case var,64,16,8192 ...] [--formats bf16,fp8_e4m3,fp8_ds_mla]
+        [--fp8-queries static,measured,bf16] [--no-sparse] [--no-step] [--out DIR]
 
 Cases and peers come from ``benchmarks/peers.py`` (peers found by import; one not installed is reported
 and skipped) and are timed in the same run, the same way (do_bench median, warmup=25, rep=200). For
@@ -21,6 +21,12 @@ each case, cache format and backend:
   and does not run back to back with the next one, so ``graphed/ours`` is what the plugin itself
   costs, and ``peer/ours`` what the acceptance line compares.
 
+Dense fp8_e4m3 rows run once per ``--fp8-queries`` mode: ``static`` (the op given a static q_scale, the
+per-tensor scale the fp8 peers quantize their query with, so backends that take q in e4m3 may run),
+``measured`` (under ``allow_fp8_query``: the scale measured per call, in the graph) and ``bf16`` (the
+default: no opt-in, q stays bf16). Dense fp8_ds_mla rows compare with FlashMLA's sparse kernel called
+by hand on every position (sgl-flash-mla's and vLLM's builds).
+
 The ratio is best peer time / ours (>= 1: the compiled op is at least as fast). ``chosen`` is the
 backend the selection table picks here. ``--out DIR`` writes bench_pass.md and bench_pass.json.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import traceback
 from typing import Optional
@@ -53,9 +60,9 @@ def _mark_static(tensors) -> None:
             torch._dynamo.mark_static_address(t)
 
 
-def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices) -> str:
+def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices, q_scale=None) -> str:
     args = (q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
-    return mla_inductor.backend_for_call(*args).backend
+    return mla_inductor.backend_for_call(*args, q_scale).backend
 
 
 CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
@@ -76,35 +83,41 @@ def _calls_step(calls: int, scale: float):
     calls would be merged by common-subexpression elimination). q_nope/q_pe are slices of one
     [T, H, 576] query, the layout the kernels read (FlashMLA takes it without a copy)."""
 
-    def step(qs, caches, block_table, seq_lens, kv_scale, sparse_indices):
+    def step(qs, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale):
         return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
-                                           seq_lens, scale, kv_scale, sparse_indices) for i, q in enumerate(qs)]
+                                           seq_lens, scale, kv_scale, sparse_indices, q_scale)
+                for i, q in enumerate(qs)]
 
     return step
 
 
 def compile_calls(backend: str, calls: int, q, kv_cache, block_table, seq_lens, scale, kv_scale,
-                  sparse_indices=None):
+                  sparse_indices=None, query: "QueryMode" = None):
     """(step, args, output of the first call) of a compiled CUDA-graph step making ``calls`` calls on
-    ``backend`` (None: the table's choice), already compiled and recorded."""
+    ``backend`` (None: the table's choice), already compiled and recorded; ``query``: how the calls
+    treat q (a static q_scale, or allow_fp8_query)."""
+    query = query or BF16_QUERY
     qs = [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
     caches = layer_caches(kv_cache, calls)
-    args = (qs, caches, block_table, seq_lens, kv_scale, sparse_indices)
+    args = (qs, caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale)
     torch._dynamo.reset()
-    _mark_static([*qs, *caches, block_table, seq_lens, kv_scale, sparse_indices])
+    _mark_static([*qs, *caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale])
     step = torch.compile(_calls_step(calls, scale), fullgraph=True, mode="reduce-overhead")
-    with mla_inductor.prefer_backends(backend) if backend else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if backend:
+            stack.enter_context(mla_inductor.prefer_backends(backend))
+        stack.enter_context(mla_inductor.allow_fp8_query(query.allow))
         for _ in range(3):  # compile, record, replay
             out = step(*args)[0].clone()
     return step, args, out
 
 
 def time_compiled(backend: str, calls: int, q, kv_cache, block_table, seq_lens, scale, kv_scale,
-                  sparse_indices=None):
+                  sparse_indices=None, query: "QueryMode" = None):
     """(time of one call in ms, its output) for ``calls`` calls per compiled CUDA-graph step on
     ``backend`` (None: the table's choice)."""
     step, args, out = compile_calls(backend, calls, q, kv_cache, block_table, seq_lens, scale, kv_scale,
-                                    sparse_indices)
+                                    sparse_indices, query)
     ms = _bench(functools.partial(step, *args))
     del step, args
     torch._dynamo.reset()  # frees the CUDA-graph pool and the cache copies before the next case
@@ -174,12 +187,14 @@ def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = No
     return best, best_graphed
 
 
-def _candidates(wanted: list[str], chosen: str, problem_args) -> list[str]:
+def _candidates(wanted: list[str], chosen: str, problem_args, query: "QueryMode") -> list[str]:
     """``wanted`` with 'chosen' replaced by the table's choice, minus backends that cannot run the call."""
     from mla_inductor.backends import availability, device_capability, get_backend
     from mla_inductor.contract import check_decode_args
 
-    problem = check_decode_args(*problem_args)
+    problem = check_decode_args(*problem_args, query.q_scale)
+    if query.allow:
+        problem = dataclasses.replace(problem, fp8_query=True)
     capability = device_capability(problem_args[0].device)
     names = []
     for name in wanted:
@@ -191,40 +206,78 @@ def _candidates(wanted: list[str], chosen: str, problem_args) -> list[str]:
     return names
 
 
+@dataclasses.dataclass(frozen=True)
+class QueryMode:
+    """How the compiled calls treat q: ``q_scale`` (a static per-tensor scale given to the op) and
+    ``allow`` (under ``allow_fp8_query``); both off: q stays bf16 (the default)."""
+
+    name: str
+    q_scale: Optional[torch.Tensor] = None
+    allow: bool = False
+
+
+BF16_QUERY = QueryMode("bf16 q")
+
+
+def fp8_query_modes(names: list[str], q_scale: torch.Tensor) -> list[QueryMode]:
+    """The ``--fp8-queries`` modes of an fp8_e4m3 row; ``q_scale``: the static scale (as the peers take it)."""
+    known = {"static": QueryMode("static q_scale", q_scale=q_scale),
+             "measured": QueryMode("measured q scale", allow=True), "bf16": BF16_QUERY}
+    return [known[n] for n in names]
+
+
 def per_call_rows(label: str, makers: dict, c, q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices,
-                  ref, peers, layers: int, wanted: list[str], rows: list, cache_key: Optional[str] = None) -> None:
-    """The peers (also in a ``layers``-call CUDA graph when ``cache_key`` names their cache), then each
-    candidate backend compiled: per call in a ``layers``-call step, and the chosen backend's one-call step."""
+                  ref, peers, layers: int, wanted: list[str], rows: list, cache_key: Optional[str] = None,
+                  queries: tuple = (BF16_QUERY,)) -> None:
+    """The peers (also in a ``layers``-call CUDA graph when ``cache_key`` names their cache), then for each
+    query mode each candidate backend compiled: per call in a ``layers``-call step, and the chosen
+    backend's one-call step."""
     rows.append(f"{label}")
     print(label, flush=True)
-    (best_name, best), (graphed_name, graphed) = _best_peer(peers, makers, c, rows, cache_key, layers)
-    chosen = _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
+    peer_times = _best_peer(peers, makers, c, rows, cache_key, layers)
+    call = (q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
     problem_args = (q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
-    for name in _candidates(wanted, chosen, problem_args):
-        try:
-            ms, out = time_compiled(name, layers, q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
-            single, ms1 = "", None
-            if name == chosen:
-                ms1, _ = time_compiled(name, 1, q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
-                single = f"  1 call {ms1 * 1e3:7.1f} us ({best / ms1:5.3f})"
-            RECORDS.append(dict(case=label, backend=name, chosen=name == chosen, us_per_call=ms * 1e3,
-                                best_peer=best_name, peer_us=best * 1e3 if best_name else None,
-                                peer_over_ours=best / ms if best_name else None, graphed_peer=graphed_name,
-                                graphed_over_ours=graphed / ms if graphed_name else None,
-                                us_one_call=ms1 * 1e3 if ms1 else None, rel_err=_err(out, ref)))
-            in_graph = (f"  graphed peer {graphed_name} {graphed * 1e3:.1f} us  graphed/ours={graphed / ms:5.3f}"
-                        if graphed_name else "")
-            row = (f"  ours {name + ('*' if name == chosen else ''):<18} per call {ms * 1e3:7.1f} us  "
-                   f"best peer {best_name} {best * 1e3:.1f} us  peer/ours={best / ms:5.3f}{in_graph}{single}  "
-                   f"err={_err(out, ref):.1e}")
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            row = f"  ours {name}: FAILED {type(e).__name__}: {str(e)[:200]}"
-        print(row, flush=True)
-        rows.append(row)
+    for query in queries:
+        if len(queries) > 1:
+            rows.append(f" {query.name}")
+            print(rows[-1], flush=True)
+        with mla_inductor.allow_fp8_query(query.allow):
+            chosen = _chosen_backend(*call, query.q_scale)
+        for name in _candidates(wanted, chosen, problem_args, query):
+            _compiled_row(label, query, name, chosen, peer_times, call, ref, layers, rows)
 
 
-def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list, formats=("bf16", "fp8_e4m3")) -> None:
+def _compiled_row(label: str, query: QueryMode, name: str, chosen: str, peer_times, call, ref, layers: int,
+                  rows: list) -> None:
+    """Time ``name`` compiled on ``call`` (q, kv_cache, block_table, seq_lens, scale, kv_scale,
+    sparse_indices) per call in a ``layers``-call step (and in a one-call step if it is the table's
+    choice); one record and one printed row."""
+    (best_name, best), (graphed_name, graphed) = peer_times
+    try:
+        ms, out = time_compiled(name, layers, *call, query)
+        single, ms1 = "", None
+        if name == chosen:
+            ms1, _ = time_compiled(name, 1, *call, query)
+            single = f"  1 call {ms1 * 1e3:7.1f} us ({best / ms1:5.3f})"
+        RECORDS.append(dict(case=label, query=query.name, backend=name, chosen=name == chosen,
+                            us_per_call=ms * 1e3, best_peer=best_name, peer_us=best * 1e3 if best_name else None,
+                            peer_over_ours=best / ms if best_name else None, graphed_peer=graphed_name,
+                            graphed_over_ours=graphed / ms if graphed_name else None,
+                            us_one_call=ms1 * 1e3 if ms1 else None, rel_err=_err(out, ref)))
+        in_graph = (f"  graphed peer {graphed_name} {graphed * 1e3:.1f} us  graphed/ours={graphed / ms:5.3f}"
+                    if graphed_name else "")
+        row = (f"  ours {name + ('*' if name == chosen else ''):<18} per call {ms * 1e3:7.1f} us  "
+               f"best peer {best_name} {best * 1e3:.1f} us  peer/ours={best / ms:5.3f}{in_graph}{single}  "
+               f"err={_err(out, ref):.1e}")
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row = f"  ours {name}: FAILED {type(e).__name__}: {str(e)[:200]}"
+    print(row, flush=True)
+    rows.append(row)
+
+
+def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list, formats=("bf16", "fp8_e4m3", "fp8_ds_mla"),
+               fp8_queries=("static", "measured", "bf16")) -> None:
     for cfg in cases:
         varlen = cfg[0] == "var"
         B, H, S = cfg[1:] if varlen else cfg
@@ -232,15 +285,21 @@ def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list, formats
         ref = peers.reference(c)
         one = torch.ones(1, dtype=torch.float32, device=c["q"].device)
         cache, k_scale = peers.fp8_cache(c)
-        for fmt, kv_cache, kv_scale, want, key in (("bf16", c["cache"], one, ref, "cache"),
-                                                   ("fp8_e4m3", cache, k_scale.reshape(1).float(), c["ref_fp8"],
-                                                    "cache_fp8")):
+        variants = [("bf16", c["cache"], one, ref, "cache"),
+                    ("fp8_e4m3", cache, k_scale.reshape(1).float(), c["ref_fp8"], "cache_fp8")]
+        if "fp8_ds_mla" in formats:
+            c["cache_ds"], deq_ds = peers.ds_mla_cache(c["cache"])
+            variants.append(("fp8_ds_mla", c["cache_ds"], one, peers.reference(c, deq_ds), "cache_ds"))
+        for fmt, kv_cache, kv_scale, want, key in variants:
             if fmt not in formats:
                 continue
-            makers = {n: m for n, m in peers.PEERS.items() if n.endswith("fp8") == (fmt != "bf16")}
+            makers = peers.DENSE_DS_PEERS if key == "cache_ds" else {
+                n: m for n, m in peers.PEERS.items() if n.endswith("fp8") == (key == "cache_fp8")}
+            queries = (fp8_query_modes(list(fp8_queries), peers.query_scale(c)) if key == "cache_fp8"
+                       else [BF16_QUERY])
             label = f"{'var' if varlen else ''}B={B} H={H} S={S} {fmt}"
             per_call_rows(label, makers, c, c["q"], kv_cache, c["block_table"], c["lens"], c["scale"], kv_scale,
-                          None, want, peers, layers, wanted, rows, cache_key=key)
+                          None, want, peers, layers, wanted, rows, cache_key=key, queries=tuple(queries))
 
 
 def sparse_rows(peers, layers: int, wanted: list[str], rows: list) -> None:
@@ -250,12 +309,13 @@ def sparse_rows(peers, layers: int, wanted: list[str], rows: list) -> None:
         c = peers.sparse_case(B, H, S, topk)
         one = torch.ones(1, dtype=torch.float32, device=c["q"].device)
         packed, deq = peers.ds_mla_cache(c["cache"])
-        for fmt, kv_cache, peer, cache_for_ref in (("bf16", c["cache"], "flashinfer_fa3_sparse", c["cache"]),
-                                                   ("fp8_ds_mla", packed, "flashmla_sparse_fp8", deq)):
+        for fmt, kv_cache, names, cache_for_ref in (
+                ("bf16", c["cache"], ("flashinfer_fa3_sparse",), c["cache"]),
+                ("fp8_ds_mla", packed, ("flashmla_sparse_fp8", "sgl_flashmla_sparse_fp8"), deq)):
             ref = peers.sparse_reference(c, cache_for_ref)
             label = f"sparse B={B} H={H} S={S} topk={topk} {fmt}"
-            per_call_rows(label, {peer: peers.SPARSE_PEERS[peer]}, c, c["q"], kv_cache, c["block_table"], c["lens"],
-                          c["scale"], one, c["indices"], ref, peers, layers, wanted, rows)
+            per_call_rows(label, {n: peers.SPARSE_PEERS[n] for n in names}, c, c["q"], kv_cache, c["block_table"],
+                          c["lens"], c["scale"], one, c["indices"], ref, peers, layers, wanted, rows)
 
 
 def layered_step_overhead(peers, layers: int, B: int, H: int, S: int, rows: list) -> None:
@@ -343,7 +403,9 @@ def main(argv=None) -> None:
     p.add_argument("--cases", default="", help="index range of the dense cases, e.g. 0-3")
     p.add_argument("--case", action="append", default=[],
                    help="a dense case instead of peers.FULL: B,H,S or var,B,H,S (repeatable)")
-    p.add_argument("--formats", default="bf16,fp8_e4m3", help="cache formats of the dense cases")
+    p.add_argument("--formats", default="bf16,fp8_e4m3,fp8_ds_mla", help="cache formats of the dense cases")
+    p.add_argument("--fp8-queries", default="static,measured,bf16",
+                   help="how the dense fp8_e4m3 rows treat q: static (a q_scale), measured (allow_fp8_query), bf16")
     p.add_argument("--no-sparse", action="store_true")
     p.add_argument("--no-step", action="store_true", help="skip the 61-layer overhead rows")
     report.add_out_argument(p)
@@ -358,7 +420,7 @@ def main(argv=None) -> None:
     cases = [tuple(int(x) if x != "var" else x for x in spec.split(",")) for spec in args.case] or _select(
         peers.QUICK if args.quick else peers.FULL, args.cases)
     sections = [("dense", lambda: dense_rows(peers, cases, args.layers, wanted, rows,
-                                              tuple(args.formats.split(","))))]
+                                              tuple(args.formats.split(",")), tuple(args.fp8_queries.split(","))))]
     if not args.no_sparse:
         sections.append(("sparse", lambda: sparse_rows(peers, args.layers, wanted, rows)))
     if not args.no_step:
@@ -370,7 +432,7 @@ def main(argv=None) -> None:
             section()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    columns = ["case", "backend", "chosen", "us_per_call", "best_peer", "peer_us", "peer_over_ours", "graphed_peer",
+    columns = ["case", "query", "backend", "chosen", "us_per_call", "best_peer", "peer_us", "peer_over_ours", "graphed_peer",
                "graphed_over_ours", "us_one_call", "rel_err", "step_us", "by_hand_us", "overhead"]
     markdown = "\n".join([f"Compiled op vs the peers, {report.environment_line(env)}", "",
                           report.markdown_table(columns, RECORDS)])

@@ -5,9 +5,11 @@ benchmark reports it and goes on):
 
 - FlashMLA, vLLM's build: ``vllm.third_party.flashmla.flash_mla_interface`` (dense bf16, sparse
   fp8_ds_mla) and ``vllm._flashmla_extension_C`` (dense fp8): ``flashmla``, ``flashmla_fp8``,
-  ``flashmla_sparse_fp8``.
+  ``flashmla_sparse_fp8``; the sparse kernel on every position of a dense call on the fp8_ds_mla cache:
+  ``flashmla_sparse_fp8_all``.
 - FlashMLA, the ``flash_mla`` package (DeepSeek's, or the sgl-flash-mla wheel with its SM90 "legacy"
-  kernels): ``sgl_flashmla``, ``sgl_flashmla_fp8``, ``sgl_flashmla_sparse_fp8``.
+  kernels, installed with ``pip install --no-deps sgl-flash-mla``): ``sgl_flashmla``, ``sgl_flashmla_fp8``,
+  ``sgl_flashmla_sparse_fp8``, ``sgl_flashmla_sparse_fp8_all``.
 - FlashInfer (``flashinfer``): ``BatchMLAPagedAttentionWrapper`` fa2 / fa3, bf16 and fp8 caches, and
   vLLM's SM90 sparse recipe (page size 1): ``flashinfer_fa2(_fp8)``, ``flashinfer_fa3(_fp8)``,
   ``flashinfer_fa3_sparse``.
@@ -116,10 +118,16 @@ def fp8_cache(c: dict):
     return c["cache_fp8"], c["k_scale"]
 
 
+def query_scale(c: dict) -> torch.Tensor:
+    """The per-tensor e4m3 scale of the case's query, [1] fp32: what the fp8 peers quantize q with (once,
+    outside the timing), and the static q_scale the benchmarks give our op for a like-for-like row."""
+    return (c["q"].abs().amax().float() / FP8_MAX).reshape(1)
+
+
 def _fp8_query(c: dict, cache, k_scale):
     """q in e4m3 (per-tensor scale) for kernels that take it so; the reference on the dequantized q and
     cache goes to ``c["ref_fp8q"]``."""
-    q_scale = (c["q"].abs().amax().float() / FP8_MAX).reshape(1)
+    q_scale = query_scale(c)
     q = (c["q"].float() / q_scale).to(torch.float8_e4m3fn)
     qd = (q.float() * q_scale).to(torch.bfloat16)
     c["ref_fp8q"] = reference(dict(c, q=qd), (cache.float() * k_scale).to(torch.bfloat16))
@@ -300,6 +308,30 @@ def _flashmla_sparse(load, **extra):
     return make
 
 
+def dense_slots(c: dict) -> torch.Tensor:
+    """int32 [B, 1, K]: every position of each sequence as a top-k slot (page * PAGE + offset), -1 past its
+    length; K = the block table's capacity (a multiple of 64, as FlashMLA's sparse kernel needs)."""
+    B, max_pages = c["block_table"].shape
+    positions = torch.arange(max_pages * PAGE, device="cuda")
+    slots = c["block_table"].long()[:, positions // PAGE] * PAGE + positions % PAGE
+    return torch.where(positions[None, :] < c["lens"][:, None].long(), slots, -1).int().unsqueeze(1)
+
+
+def _flashmla_dense_ds(load, **extra):
+    """A maker for a dense call on the fp8_ds_mla cache (``c["cache_ds"]``) through FlashMLA's sparse kernel,
+    every position of each sequence an index (the recipe our dense fp8_ds_mla rows use)."""
+
+    def make(c: dict):
+        fm = load()
+        q, kc, idx = c["q"].unsqueeze(1), c["cache_ds"].unsqueeze(2), dense_slots(c)
+        meta, _ = fm.get_mla_metadata()
+        return lambda: fm.flash_mla_with_kvcache(q, kc, None, None, D_CKV, meta, None, softmax_scale=c["scale"],
+                                                 causal=False, is_fp8_kvcache=True, indices=idx,
+                                                 **extra)[0].squeeze(1)
+
+    return make
+
+
 def peer_flashinfer_sparse(c: dict):
     """vLLM's SM90 FlashInfer sparse recipe: page_size 1, the top-k slots as the page list (bf16 cache)."""
     fi = _flashinfer()
@@ -320,3 +352,7 @@ def peer_flashinfer_sparse(c: dict):
 SPARSE_PEERS = {"flashmla_sparse_fp8": _flashmla_sparse(_vllm_flashmla),
                 "flashinfer_fa3_sparse": peer_flashinfer_sparse,
                 "sgl_flashmla_sparse_fp8": _flashmla_sparse(_flash_mla, use_legacy=True)}
+
+# Dense calls on the fp8_ds_mla cache: FlashMLA's sparse kernel given every position, from either build.
+DENSE_DS_PEERS = {"flashmla_sparse_fp8_all": _flashmla_dense_ds(_vllm_flashmla),
+                  "sgl_flashmla_sparse_fp8_all": _flashmla_dense_ds(_flash_mla, use_legacy=True)}

@@ -12,10 +12,13 @@ test_pass_cells.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import mla_inductor
+import mla_inductor.contract
 from mla_inductor.backends._common import quantize_query_fp8, quantize_query_reference
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import make_decode_inputs, relative_error
@@ -209,3 +212,45 @@ def test_static_scale_cast_kernel_matches_the_definition(shape):
         rel = ((got - target).norm() / target.norm()).item()
         torch_rel = ((want.float() - target).norm() / target.norm()).item()
         assert rel <= 3.0 * torch_rel and rel < 0.09, (rel, torch_rel)
+
+
+# ----------------------------------------------------------------------------- the accuracy benchmark
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_accuracy_benchmark_without_a_gpu_says_so_and_help_works():
+    import subprocess
+    import sys
+
+    script = str(BENCH / "bench_accuracy.py")
+    if not torch.cuda.is_available():
+        result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "--out" in helped.stdout, helped.stderr[-2000:]
+    assert "os.environ" not in (BENCH / "bench_accuracy.py").read_text()
+
+
+def test_accuracy_benchmark_rows_on_cpu(monkeypatch):
+    """The benchmark's measurement on a tiny CPU case, the reference as the only backend: one row per
+    backend and query mode, its own error at bf16 rounding, the fp8 cache's cost in the last column."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_accuracy")
+    monkeypatch.setattr(bench, "availability", lambda: {"reference": None})
+    monkeypatch.setattr(bench, "RECORDS", [])
+    for fmt in ("bf16", "fp8_e4m3"):
+        x, bf16 = bench.case_inputs([3, 70], 2, 1, fmt, rope_scale=8.0, device="cpu")
+        assert torch.equal(x.q_pe, bf16.q_pe) and x.kv_cache.dtype != torch.float32
+        bench.measure("tiny", x, bf16, None, bench.calibrated_q_scale(2, 8.0, seed=1, device="cpu"))
+    (bf16_row, fp8_row) = bench.RECORDS
+    assert bf16_row["query"] == "bf16 q" and bf16_row["err"] < 5e-3 and bf16_row["err_vs_bf16_cache"] < 5e-3
+    assert fp8_row["cache"] == "fp8_e4m3" and fp8_row["err"] < 5e-3 < fp8_row["err_vs_bf16_cache"] < 0.1
+    from mla_inductor.backends import flashmla
+
+    problem = mla_inductor.contract.check_decode_args(*x.args())
+    modes = bench.query_modes(flashmla.BACKEND, problem, torch.ones(1))
+    assert [m[0] for m in modes] == ["e4m3 q, measured scale", "e4m3 q, static scale",
+                                     "e4m3 q, static scale 1/16 of calibrated"]
