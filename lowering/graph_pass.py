@@ -28,6 +28,7 @@ from mla_inductor.contract import (
     check_decode_args,
     empty_decode_outputs,
 )
+from mla_inductor.lowering.merge_pass import lower_merge_calls
 from mla_inductor.selection import Selection, fp8_query_allowed, rank_backends, select_backend, user_preference
 
 from mla_inductor.lowering._compat import (
@@ -314,6 +315,7 @@ class MLALoweringPass(CustomGraphPass):
             self._decode_patterns().apply(graph)
             _share_plans(graph, self.plan_ops)
             graph.eliminate_dead_code()
+        lower_merge_calls(graph)
 
     def uuid(self) -> Optional[Any]:
         previous = []

@@ -10,6 +10,7 @@ by the first compile that reaches Inductor.
 from mla_inductor import _compat
 from mla_inductor.cache import PagedLatentCache, cache_format, fp8_scale_for, pack_fp8_ds_mla, unpack_fp8_ds_mla
 from mla_inductor.contract import DecodeProblem
+from mla_inductor.merge import merge_attn_states, merge_attn_states_n
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.selection import allow_fp8_query, backend_for_call, prefer_backends, select_backend

@@ -4,6 +4,7 @@
 - ``cache_append``: writes new tokens into a paged cache (quantizing for fp8), no host sync.
 - ``fp8_query``: per-tensor e4m3 quantization of a query on the device.
 - ``empty_rows``: the epilogue giving rows that see no key out 0 and lse -inf.
+- ``merge_attn_states``: merges partial attention results by their LSE (``mla.merge_attn_states(_n)`` on CUDA).
 
 Each module imports triton at its top: import them only where a kernel is about to run.
 """
