@@ -86,7 +86,7 @@ def check_merge_n_args(outs, lses) -> None:
 # The reference: plain PyTorch, fp32, no data-dependent shapes (traces into Inductor code)
 
 
-def _clean_lse(lse: Tensor) -> Tensor:
+def clean_lse(lse: Tensor) -> Tensor:
     """+inf (FA2's empty part) and NaN count as -inf (an empty part)."""
     lse = lse.float()
     return torch.where(torch.isnan(lse) | (lse == float("inf")), torch.full_like(lse, float("-inf")), lse)
@@ -97,7 +97,7 @@ def merge_reference(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
 
     Takes sequences (``tensor.unbind(0)`` of a stacked tensor costs no copy), so two parts need no stack.
     """
-    clean = [_clean_lse(x) for x in lses]
+    clean = [clean_lse(x) for x in lses]
     top = clean[0]
     for x in clean[1:]:
         top = torch.maximum(top, x)

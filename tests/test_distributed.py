@@ -1,0 +1,308 @@
+"""Decode context parallelism and tensor parallelism (mla_inductor.distributed) against one process.
+
+Three kinds of test:
+- the layout and the math in one process (each rank's local step simulated in turn, then merged);
+- real process groups on CPU (gloo, 2 and 4 processes spawned from pytest): each process computes the
+  one-process result itself and compares its own heads' share; one spawn per world size runs every case,
+  since starting processes is what costs;
+- GPU: each rank's local step on one GPU (its shard, its lengths) against the single-GPU result, and the
+  NCCL runs, which need 2 GPUs and are skipped with fewer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mla_inductor  # noqa: F401
+from mla_inductor.distributed import (
+    DCPGroup,
+    DCPLatentCache,
+    DCPLayout,
+    agreed_fp8_scale,
+    dcp_decode_with_lse,
+    local_decode_with_lse,
+    make_dcp_group,
+    split_heads,
+)
+from mla_inductor.cache import PagedLatentCache, fp8_scale_for
+from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
+
+HAS_CUDA = torch.cuda.is_available()
+LENS = [0, 1, 3, 37, 70]  # an empty sequence, shards left empty, lengths that are no multiple of I
+SMALL = dict(kv_lora_rank=64, rope_dim=16)  # the reference on CPU: small dims keep it quick
+
+
+def one_process_and_shards(N, interleave, fmt, *, q_per_seq=1, num_heads=4, page=8, seed=0, device="cpu", **dims):
+    """The one-process inputs (pages of page * N tokens) and each rank's cache shard."""
+    dims = dims or SMALL
+    x = make_decode_inputs(LENS, num_heads=num_heads, q_per_seq=q_per_seq, page_size=page * N, fmt=fmt, seed=seed,
+                           device=device, **dims)
+    shards = [DCPLayout(N, r, interleave).shard_cache(x.kv_cache) for r in range(N)]
+    return x, shards
+
+
+def one_process_result(x):
+    return torch.ops.mla.paged_decode_with_lse(*x.args()[:7])
+
+
+def assert_close_to(got, want, what, dtype=torch.bfloat16):
+    (out, lse), (want_out, want_lse) = got, want
+    err = relative_error(out.float(), want_out.float())
+    assert err < TOLERANCE[dtype], f"{what}: out off by {err:.2e}"
+    err = relative_error(lse, want_lse)
+    assert err < 1e-5, f"{what}: lse off by {err:.2e}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# One process
+
+
+@pytest.mark.parametrize("N, interleave", [(1, 1), (2, 1), (2, 4), (3, 2), (4, 1), (4, 4)])
+def test_layout_places_every_token_once_in_order(N, interleave):
+    positions = torch.arange(200)
+    layouts = [DCPLayout(N, r, interleave) for r in range(N)]
+    owners = layouts[0].owner(positions)
+    for r, layout in enumerate(layouts):
+        mine = positions[owners == r]
+        assert torch.equal(layout.local_position(mine), torch.arange(len(mine))), "local positions must be 0, 1, ..."
+        counts = torch.stack([(mine < n).sum() for n in range(201)])
+        assert torch.equal(layout.local_lengths(torch.arange(201)), counts)
+    assert torch.equal(sum(l.local_lengths(torch.arange(-3, 201)) for l in layouts), torch.arange(-3, 201).clamp(0))
+
+
+def test_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="page_size .* multiple of the interleave size 4"):
+        DCPLayout(2, 0, 4).check_page_size(6)
+    with pytest.raises(ValueError, match="rank < world_size"):
+        DCPLayout(2, 2)
+
+
+@pytest.mark.parametrize("N, interleave", [(2, 1), (3, 2), (4, 4)])
+def test_local_slots_point_at_the_shard_rows(N, interleave):
+    page = 4
+    x, shards = one_process_and_shards(N, interleave, "fp32", page=page)
+    flat = x.kv_cache.reshape(-1, x.kv_cache.shape[-1])
+    slots = torch.arange(flat.shape[0] + 1) - 1  # -1 (padding) and every slot
+    found = torch.zeros(flat.shape[0], dtype=torch.int64)
+    for r in range(N):
+        local = DCPLayout(N, r, interleave).local_slots(slots, page)
+        assert local.dtype == slots.dtype and int(local[0]) == -1
+        mine = local >= 0
+        found[slots[mine]] += 1
+        assert torch.equal(shards[r].reshape(-1, flat.shape[1])[local[mine]], flat[slots[mine]])
+    assert bool((found == 1).all()), "every token must live on exactly one rank"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("N, interleave, q_per_seq", [(2, 1, 1), (2, 4, 2), (3, 2, 1), (4, 4, 1)])
+def test_local_steps_merged_equal_one_process(fmt, N, interleave, q_per_seq):
+    """The math of DCP without communication: every rank's local step, merged, is the one-process decode."""
+    dims = dict(kv_lora_rank=512, rope_dim=64) if fmt == "fp8_ds_mla" else SMALL
+    x, shards = one_process_and_shards(N, interleave, fmt, q_per_seq=q_per_seq, seed=N, **dims)
+    parts = [local_decode_with_lse(x.q_nope, x.q_pe, shards[r], x.block_table, x.seq_lens, x.softmax_scale,
+                                   x.kv_scale, DCPLayout(N, r, interleave)) for r in range(N)]
+    merged = torch.ops.mla.merge_attn_states_n(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
+    assert_close_to(merged, one_process_result(x), f"{fmt} N={N} I={interleave} Q={q_per_seq}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Process groups on CPU (gloo), spawned from pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_cases(rank, world, port, backend, cases, errors):
+    """A spawned process: join the group, run every case, report failures (with the case) in ``errors``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    try:
+        for case in cases:
+            try:
+                CASES[case[0]](device, *case[1:])
+            except Exception:  # noqa: BLE001 - reported to the parent with the case that failed
+                errors.put(f"rank {rank}, case {case}:\n{traceback.format_exc()}")
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world, cases, backend="gloo"):
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_run_cases, args=(world, free_port(), backend, cases, errors), nprocs=world, join=True)
+    except Exception as e:  # noqa: BLE001
+        reports = []
+        while not errors.empty():
+            reports.append(errors.get())
+        raise AssertionError("\n".join(reports) or str(e)) from None
+
+
+def case_dcp_attention(device, exchange, fmt, interleave, q_per_seq):
+    """DCP over the whole world: this rank's heads of the one-process decode."""
+    N, rank = dist.get_world_size(), dist.get_rank()
+    dcp = DCPGroup.from_group(interleave=interleave, exchange=exchange)
+    x, shards = one_process_and_shards(N, interleave, fmt, q_per_seq=q_per_seq, num_heads=2 * N, seed=7,
+                                       device=device)
+    got = dcp_decode_with_lse(split_heads(x.q_nope, N, rank), split_heads(x.q_pe, N, rank), shards[rank],
+                              x.block_table, x.seq_lens, x.softmax_scale, x.kv_scale, dcp)
+    out, lse = one_process_result(x)
+    assert_close_to(got, (split_heads(out, N, rank), split_heads(lse, N, rank)),
+                    f"DCP={N} {exchange} {fmt} I={interleave} Q={q_per_seq}")
+
+
+def _tokens(count, dims, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(count, dims["kv_lora_rank"], generator=g), torch.randn(count, dims["rope_dim"], generator=g)
+
+
+def case_dcp_cache(device, fmt, interleave, exchange):
+    """DCPLatentCache end to end: reserve, append (each rank writes its tokens), decode, next step; an fp8 scale
+    agreed from each rank's own tokens. Against one PagedLatentCache holding everything."""
+    N, rank = dist.get_world_size(), dist.get_rank()
+    dcp = DCPGroup.from_group(interleave=interleave, exchange=exchange)
+    prompt = [5, 0, 19, 2]  # varlen, an empty sequence
+    B, H, page = len(prompt), 2 * N, 4
+    kv_c, k_pe = _tokens(sum(prompt) + 2 * B, SMALL, seed=11)
+    kv_scale = 1.0
+    if fmt == "fp8_e4m3":
+        owners = DCPLayout(N, rank, interleave)
+        # which of the prompt tokens this rank stores: position within its sequence decides
+        positions = torch.cat([torch.arange(n) for n in prompt])
+        mine = torch.cat([kv_c, k_pe], -1)[: sum(prompt)][owners.owner(positions) == rank]
+        agreed = agreed_fp8_scale(mine, dcp.group)
+        assert torch.equal(agreed, fp8_scale_for(torch.cat([kv_c, k_pe], -1)[: sum(prompt)]))
+        kv_scale = float(agreed)
+    sizes = dict(num_layers=1, batch_size=B, max_seq_len=32, page_size=page, fmt=fmt, kv_scale=kv_scale, device=device,
+                 **SMALL)
+    split = DCPLatentCache.allocate(dcp, **sizes)
+    whole = PagedLatentCache.allocate(**dict(sizes, page_size=page * N))
+    g = torch.Generator().manual_seed(12)
+    used = 0
+    for step, counts in enumerate([prompt, [1] * B, [1] * B]):
+        n = sum(counts)
+        new_c, new_pe = kv_c[used:used + n].to(device), k_pe[used:used + n].to(device)
+        used += n
+        split.append(0, new_c, new_pe, split.reserve(counts))
+        whole.append(0, new_c, new_pe, whole.reserve(counts))
+        assert torch.equal(split.seq_lens, whole.seq_lens) and torch.equal(split.block_table, whole.block_table)
+        if step == 0:
+            continue
+        q_nope = torch.randn(B, H, SMALL["kv_lora_rank"], generator=g).bfloat16().to(device)
+        q_pe = torch.randn(B, H, SMALL["rope_dim"], generator=g).bfloat16().to(device)
+        got = split.decode(0, split_heads(q_nope, N, rank), split_heads(q_pe, N, rank), 0.125)
+        want = whole.decode(0, q_nope, q_pe, 0.125)
+        err = relative_error(got.float(), split_heads(want, N, rank).float())
+        assert err < TOLERANCE[torch.bfloat16], f"DCPLatentCache {fmt} step {step}: off by {err:.2e}"
+    assert int(split.local_seq_lens().sum()) > 0
+
+
+TINY_V3 = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+               qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+               n_group=1, topk_group=1, max_position_embeddings=64, pad_token_id=0)
+
+
+def case_tp_hf(device, dcp_size, exchange, fmt):
+    """An HF DeepSeek-V3 with its attention split over the world by heads (TP = world size), the cache split over
+    DCP groups of ``dcp_size`` ranks inside it (1: TP alone): prefill and decode logits equal one process's."""
+    from mla_inductor import hf
+    from mla_inductor.distributed import allocate_dcp_cache, shard_deepseek_attention_tp
+
+    kv_scale = 0.05 if fmt == "fp8_e4m3" else 1.0
+    sizes = dict(batch_size=3, max_seq_len=24, fmt=fmt, page_size=4, kv_scale=kv_scale)
+    whole = hf.build_random_deepseek("v3", device=device, **TINY_V3)
+    hf.patch_deepseek(whole, hf.allocate_cache(whole, **sizes))
+    split = shard_deepseek_attention_tp(hf.build_random_deepseek("v3", device=device, **TINY_V3), dist.group.WORLD)
+    if dcp_size == 1:
+        cache = hf.allocate_cache(split, **sizes)
+    else:
+        dcp = make_dcp_group(dcp_size, interleave=2, exchange=exchange)
+        cache = allocate_dcp_cache(split, dcp, **dict(sizes, page_size=4))
+    hf.patch_deepseek(split, cache)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, TINY_V3["vocab_size"], (3, 7), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :6] = 0
+    with torch.no_grad():
+        want, got = hf.prefill(whole, ids, mask), hf.prefill(split, ids, mask)
+        for step in range(3):
+            err = relative_error(got, want)
+            assert err < 1e-4, f"TP={dist.get_world_size()} DCP={dcp_size} {fmt}: logits off by {err:.2e} at step {step}"
+            token = want.argmax(-1)
+            want = hf.decode_one_token(whole, token, whole.mla_state.cache.reserve(1))
+            got = hf.decode_one_token(split, token, cache.reserve(1))
+
+
+def case_compiled_dcp_step(device, exchange):
+    """A decode step (append the new token, DCP decode) under torch.compile(fullgraph=True): no graph break, and
+    the compiled result equals the eager one."""
+    import mla_inductor.lowering  # noqa: F401  (the reference becomes generated code)
+    from torch._dynamo.utils import counters
+
+    N, rank = dist.get_world_size(), dist.get_rank()
+    dcp = DCPGroup.from_group(interleave=1, exchange=exchange)
+    B, H = 2, 2 * N
+    cache = DCPLatentCache.allocate(dcp, num_layers=1, batch_size=B, max_seq_len=32, page_size=4, device=device,
+                                    **SMALL)
+    kv_c, k_pe = _tokens(13 + 2 * B, SMALL, seed=5)
+    cache.append(0, kv_c[:13].to(device), k_pe[:13].to(device), cache.reserve([6, 7]))
+
+    def step(q_nope, q_pe, kv_c, k_pe, slots):
+        cache.append(0, kv_c, k_pe, slots)
+        return cache.decode(0, q_nope, q_pe, 0.125)
+
+    g = torch.Generator().manual_seed(6)
+    q_nope = torch.randn(B, H, SMALL["kv_lora_rank"], generator=g).bfloat16().to(device)
+    q_pe = torch.randn(B, H, SMALL["rope_dim"], generator=g).bfloat16().to(device)
+    q = (split_heads(q_nope, N, rank), split_heads(q_pe, N, rank))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    slots = cache.reserve(1)
+    got = compiled(*q, kv_c[13:15].to(device), k_pe[13:15].to(device), slots)
+    want = cache.decode(0, *q, 0.125)  # the token is in the cache now: eager decode of the same state
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+CASES = {
+    "dcp_attention": case_dcp_attention,
+    "dcp_cache": case_dcp_cache,
+    "tp_hf": case_tp_hf,
+    "compiled_dcp_step": case_compiled_dcp_step,
+}
+
+DCP_ATTENTION_CASES = [("dcp_attention", exchange, fmt, interleave, q)
+                       for exchange in ("ag_rs", "a2a") for fmt in ("bf16", "fp8_e4m3")
+                       for interleave, q in ((1, 1), (4, 2))]
+DCP_CACHE_CASES = [("dcp_cache", "bf16", 1, "ag_rs"), ("dcp_cache", "fp8_e4m3", 2, "a2a")]
+
+
+TP_CASES = {2: [("tp_hf", 1, "ag_rs", "bf16"), ("tp_hf", 2, "a2a", "fp8_e4m3")],
+            4: [("tp_hf", 2, "ag_rs", "fp8_e4m3"), ("tp_hf", 4, "a2a", "bf16")]}
+COMPILE_CASES = [("compiled_dcp_step", "ag_rs"), ("compiled_dcp_step", "a2a")]
+
+
+def test_two_processes():
+    spawn(2, DCP_ATTENTION_CASES + DCP_CACHE_CASES + TP_CASES[2] + COMPILE_CASES)
+
+
+def test_four_processes():
+    spawn(4, DCP_ATTENTION_CASES + DCP_CACHE_CASES + TP_CASES[4])
