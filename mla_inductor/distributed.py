@@ -237,13 +237,12 @@ def _merge_by_all_gather_reduce_scatter(out: Tensor, lse: Tensor, dcp: DCPGroup)
     T, H, L = out.shape
     lses = clean_lse(all_gather(lse, 0, dcp.group).view(N, T, H))
     top = lses.amax(0)
-    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    top = torch.where(top == float("-inf"), 0.0, top)
     merged_lse = torch.log(torch.exp(lses - top).sum(0)) + top
     # An empty shard (lse -inf) weighs 0 and its output is not read; an all-empty row gives -inf - -inf.
     mine = lses[rank]
-    weight = torch.where(mine == float("-inf"), torch.zeros_like(mine), torch.exp(mine - merged_lse))
-    part = torch.where((weight == 0)[..., None], torch.zeros((), device=out.device),
-                       out.float() * weight[..., None]).to(out.dtype)
+    weight = torch.where(mine == float("-inf"), 0.0, torch.exp(mine - merged_lse))
+    part = torch.where((weight == 0)[..., None], 0.0, out.float() * weight[..., None]).to(out.dtype)
     # Head block j goes to rank j: lay the blocks out along dim 0 so the collective scatters without a copy.
     h = H // N
     blocks = part.view(T, N, h, L).transpose(0, 1).reshape(N * T, h, L)

@@ -89,7 +89,7 @@ def check_merge_n_args(outs, lses) -> None:
 def clean_lse(lse: Tensor) -> Tensor:
     """+inf (FA2's empty part) and NaN count as -inf (an empty part)."""
     lse = lse.float()
-    return torch.where(torch.isnan(lse) | (lse == float("inf")), torch.full_like(lse, float("-inf")), lse)
+    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
 
 
 def merge_reference(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -102,18 +102,17 @@ def merge_reference(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
     for x in clean[1:]:
         top = torch.maximum(top, x)
     # All parts empty: shift by 0, so every weight is exp(-inf) = 0 rather than exp(NaN).
-    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    top = torch.where(top == float("-inf"), 0.0, top)
     weights = [torch.exp(x - top) for x in clean]
     total = weights[0]
     for w in weights[1:]:
         total = total + w
     lse = torch.log(total) + top  # log(0) = -inf for an all-empty row
-    inv_total = 1.0 / torch.where(total == 0, torch.ones_like(total), total)
+    inv_total = 1.0 / torch.where(total == 0, 1.0, total)
     out = None
     for part, w in zip(outs, weights):
         # An empty part's output is never read: it may be anything, NaN included.
-        term = torch.where((w == 0)[..., None], torch.zeros((), dtype=torch.float32, device=part.device),
-                           part.float() * (w * inv_total)[..., None])
+        term = torch.where((w == 0)[..., None], 0.0, part.float() * (w * inv_total)[..., None])
         out = term if out is None else out + term
     return out.to(outs[0].dtype), lse
 
