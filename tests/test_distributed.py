@@ -147,10 +147,21 @@ def _run_cases(rank, world, port, backend, cases, errors):
         dist.destroy_process_group()
 
 
+# Processes start from a fork server that has imported torch, dynamo (which the first op call imports),
+# Inductor, the package and this module once: forking it costs far less than a fresh interpreter per process
+# importing them again. No op has run in it, so it has started no thread pool a fork could leave locked
+# (transformers is left out: it starts a thread of its own at import).
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "triton", "sympy", "mla_inductor", "mla_inductor.distributed",
+            "mla_inductor.hf", "mla_inductor.lowering", "test_distributed"]
+
+
 def spawn(world, cases, backend="gloo"):
-    errors = mp.get_context("spawn").SimpleQueue()
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    errors = context.SimpleQueue()
     try:
-        mp.spawn(_run_cases, args=(world, free_port(), backend, cases, errors), nprocs=world, join=True)
+        mp.start_processes(_run_cases, args=(world, free_port(), backend, cases, errors), nprocs=world, join=True,
+                           start_method="forkserver")
     except Exception as e:  # noqa: BLE001
         reports = []
         while not errors.empty():
@@ -263,8 +274,11 @@ def case_compiled_dcp_step(device, exchange):
     """A decode step (append the new token, DCP decode) under torch.compile(fullgraph=True): no graph break, and
     the compiled result equals the eager one."""
     import mla_inductor.lowering  # noqa: F401  (the reference becomes generated code)
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
+    # Compile in this process: a pool of compile workers would each import torch again, for one small graph.
+    torch._inductor.config.compile_threads = 1
     N, rank = dist.get_world_size(), dist.get_rank()
     dcp = DCPGroup.from_group(interleave=1, exchange=exchange)
     B, H = 2, 2 * N
