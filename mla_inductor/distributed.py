@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# Private torch API, confined to the four small functions below: functional collectives return new
-# tensors instead of writing into an argument, which is what lets torch.compile trace them.
+# Private torch API, confined to the small functions below (the four collectives and _mark_static):
+# functional collectives return new tensors instead of writing into an argument, which is what lets
+# torch.compile trace them.
 import torch.distributed._functional_collectives as _funcol
 
 import mla_inductor.merge  # noqa: F401  (registers mla.merge_attn_states_n)
@@ -93,6 +94,12 @@ def all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 def all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _funcol.wait_tensor(_funcol.all_reduce(x, "sum", group))
+
+
+def _mark_static(t: Tensor) -> None:
+    """Private torch API (as in cache.py): CUDA-graph trees then read the tensor in place instead of copying it
+    into a static buffer at every replay (hundreds of MB per cache layer)."""
+    torch._dynamo.mark_static_address(t)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -295,7 +302,8 @@ def agreed_fp8_scale(local_values: Tensor, group: dist.ProcessGroup) -> Tensor:
     """The per-tensor e4m3 ``kv_scale`` of the values of all ranks together (max |value| over the group),
     computed from this rank's values: every rank gets the same scale, the one a single process holding all
     values would pick (``cache.fp8_scale_for``)."""
-    amax = local_values.detach().abs().amax().float().reshape(1)
+    values = local_values.detach().float().reshape(-1)
+    amax = values.abs().amax().reshape(1) if values.numel() else values.new_zeros(1)  # a rank may hold no token
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return fp8_scale_for(amax)
 
@@ -350,8 +358,8 @@ class DCPLatentCache:
         width = token_width(fmt, kv_lora_rank, rope_dim)
         kv_caches = [torch.zeros(pages, page_size, width, dtype=cache_dtype(fmt), device=device)
                      for _ in range(num_layers)]
-        for t in kv_caches:  # as PagedLatentCache does: CUDA-graph trees read them in place
-            torch._dynamo.mark_static_address(t)
+        for t in kv_caches:
+            _mark_static(t)
         return cls(index, kv_caches, dcp, page_size)
 
     block_table = property(lambda self: self.index.block_table)

@@ -58,12 +58,23 @@ def one_process_result(x):
     return torch.ops.mla.paged_decode_with_lse(*x.args()[:7])
 
 
-def assert_close_to(got, want, what, dtype=torch.bfloat16):
+def bounds(device, fmt: str, kernels: int = 1) -> tuple[float, float]:
+    """Relative-error bounds (out, lse) of a bf16-query result. On CPU every result is the reference's, with
+    the output rounded to bf16. GPU kernels compute the logits from bf16 operands, and their fp8-cache paths
+    quantize the query to fp8 too (the bounds of tests/test_backend_flashmla.py); ``kernels``: how many GPU
+    results were compared (each brings its own rounding)."""
+    if torch.device(device).type != "cuda":
+        return TOLERANCE[torch.bfloat16], 1e-5
+    out, lse = (3e-2, 1e-2) if fmt.startswith("fp8") else (TOLERANCE[torch.bfloat16], 1e-3)
+    return out * kernels, lse * kernels
+
+
+def assert_close_to(got, want, what, bound=(TOLERANCE[torch.bfloat16], 1e-5)):
     (out, lse), (want_out, want_lse) = got, want
     err = relative_error(out.float(), want_out.float())
-    assert err < TOLERANCE[dtype], f"{what}: out off by {err:.2e}"
+    assert err < bound[0], f"{what}: out off by {err:.2e}"
     err = relative_error(lse, want_lse)
-    assert err < 1e-5, f"{what}: lse off by {err:.2e}"
+    assert err < bound[1], f"{what}: lse off by {err:.2e}"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -181,7 +192,7 @@ def case_dcp_attention(device, exchange, fmt, interleave, q_per_seq):
                               x.block_table, x.seq_lens, x.softmax_scale, x.kv_scale, dcp)
     out, lse = one_process_result(x)
     assert_close_to(got, (split_heads(out, N, rank), split_heads(lse, N, rank)),
-                    f"DCP={N} {exchange} {fmt} I={interleave} Q={q_per_seq}")
+                    f"DCP={N} {exchange} {fmt} I={interleave} Q={q_per_seq}", bounds(device, fmt, kernels=2))
 
 
 def _tokens(count, dims, seed):
@@ -206,6 +217,9 @@ def case_dcp_cache(device, fmt, interleave, exchange):
         mine = torch.cat([kv_c, k_pe], -1)[: sum(prompt)][owners.owner(positions) == rank]
         agreed = agreed_fp8_scale(mine.to(device), dcp.group).cpu()
         assert torch.equal(agreed, fp8_scale_for(torch.cat([kv_c, k_pe], -1)[: sum(prompt)]))
+        everything = torch.cat([kv_c, k_pe], -1)
+        none_on_last = everything[:0] if rank == N - 1 else everything  # a rank holding no token at all
+        assert torch.equal(agreed_fp8_scale(none_on_last.to(device), dcp.group).cpu(), fp8_scale_for(everything))
         kv_scale = float(agreed)
     sizes = dict(num_layers=1, batch_size=B, max_seq_len=32, page_size=page, fmt=fmt, kv_scale=kv_scale, device=device,
                  **dims)
@@ -227,7 +241,7 @@ def case_dcp_cache(device, fmt, interleave, exchange):
         got = split.decode(0, split_heads(q_nope, N, rank), split_heads(q_pe, N, rank), 0.125)
         want = whole.decode(0, q_nope, q_pe, 0.125)
         err = relative_error(got.float(), split_heads(want, N, rank).float())
-        assert err < TOLERANCE[torch.bfloat16], f"DCPLatentCache {fmt} step {step}: off by {err:.2e}"
+        assert err < bounds(device, fmt, kernels=2)[0], f"DCPLatentCache {fmt} step {step}: off by {err:.2e}"
     assert int(split.local_seq_lens().sum()) > 0
 
 
@@ -358,10 +372,13 @@ def test_local_steps_on_one_gpu_equal_single_gpu(fmt, N, interleave, q_per_seq):
         got = local_decode_with_lse(*local)
         with mla_inductor.prefer_backends("reference"):
             want = local_decode_with_lse(*local)
-        assert_close_to(got, want, f"rank {r}'s local step")
+        assert_close_to(got, want, f"rank {r}'s local step", bounds("cuda", fmt))
         parts.append(got)
     merged = torch.ops.mla.merge_attn_states_n(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
-    assert_close_to(merged, one_process_result(x), f"{fmt} N={N} I={interleave} Q={q_per_seq} merged")
+    what = f"{fmt} N={N} I={interleave} Q={q_per_seq} merged"
+    assert_close_to(merged, one_process_result(x), f"{what}, against the single-GPU decode", bounds("cuda", fmt, 2))
+    with mla_inductor.prefer_backends("reference"):
+        assert_close_to(merged, one_process_result(x), f"{what}, against the reference", bounds("cuda", fmt))
 
 
 @pytest.mark.gpu
