@@ -8,9 +8,11 @@ stores about 1/N of the cache and reads 1/N of it per step. Per layer (docs/dist
 1. all-gather the absorbed query over heads: every rank gets all N·h heads of its group ([T, N·h, L+R]);
 2. local decode: ``mla.paged_decode_with_lse`` over this rank's tokens only ([T, N·h, L] and LSE);
 3. exchange and merge, either
-   - ``"ag_rs"``: all-gather the LSEs [N, T, N·h], rescale the local output by ``exp(lse_local - lse)``,
-     reduce-scatter (sum) over heads -> [T, h, L]  (vLLM's default), or
-   - ``"a2a"``: one all-to-all of (output | LSE bits) by head block, then ``mla.merge_attn_states_n``.
+   - ``"a2a"`` (the default): one all-to-all of (output | LSE bits) by head block, then
+     ``mla.merge_attn_states_n`` (one kernel): two collectives per layer in all, or
+   - ``"ag_rs"`` (vLLM's default): all-gather the LSEs [N, T, N·h], rescale the local output by
+     ``exp(lse_local - lse)``, reduce-scatter (sum) over heads -> [T, h, L]: three collectives, and the
+     rescaling is a dozen small kernels unless the step is compiled (Inductor fuses them).
 
 Everything is written with functional collectives, which ``torch.compile`` traces (no graph break) and
 Inductor lowers; the eager path runs the same code.
@@ -27,7 +29,7 @@ copy of the cache split ``dcp`` ways. ``shard_deepseek_attention_tp`` shards an 
 attention; ``DCPLatentCache`` is a drop-in for ``PagedLatentCache`` in ``mla_inductor.hf``.
 
     dist.init_process_group("nccl")                        # torchrun --nproc-per-node 2 ...
-    dcp = make_dcp_group(dcp_size=2, interleave=1, exchange="ag_rs")
+    dcp = make_dcp_group(dcp_size=2, interleave=1, exchange="a2a")
     cache = DCPLatentCache.allocate(dcp, num_layers=61, batch_size=8, max_seq_len=131072, device="cuda")
     out = dcp_decode(q_nope, q_pe, cache.kv_caches[layer], cache.block_table, cache.seq_lens,
                      softmax_scale, cache.kv_scale, dcp)   # q: this rank's heads -> out [T, h, L]
@@ -174,7 +176,7 @@ class DCPGroup:
 
     group: dist.ProcessGroup
     layout: DCPLayout
-    exchange: str = "ag_rs"
+    exchange: str = "a2a"
 
     def __post_init__(self):
         if self.exchange not in EXCHANGES:
@@ -186,7 +188,7 @@ class DCPGroup:
 
     @classmethod
     def from_group(cls, group: Optional[dist.ProcessGroup] = None, *, interleave: int = 1,
-                   exchange: str = "ag_rs") -> DCPGroup:
+                   exchange: str = "a2a") -> DCPGroup:
         """DCP over ``group`` (default: the whole world); for a device mesh pass ``mesh.get_group(dim)``."""
         group = dist.group.WORLD if group is None else group
         layout = DCPLayout(dist.get_world_size(group), dist.get_rank(group), interleave)
@@ -194,7 +196,7 @@ class DCPGroup:
 
 
 def make_dcp_group(dcp_size: int, tp_group: Optional[dist.ProcessGroup] = None, *, interleave: int = 1,
-                   exchange: str = "ag_rs") -> DCPGroup:
+                   exchange: str = "a2a") -> DCPGroup:
     """This rank's DCP group: consecutive blocks of ``dcp_size`` ranks of ``tp_group`` (default: the world).
 
     Every rank of ``tp_group`` must call it (it creates one process group per block, collectively).
@@ -263,11 +265,13 @@ def _merge_by_all_to_all(out: Tensor, lse: Tensor, dcp: DCPGroup) -> tuple[Tenso
     h = H // N
     lse_bits = lse[..., None].view(out.dtype)  # fp32 as 1 (fp32) or 2 (fp16/bf16) elements of out's dtype
     k = lse_bits.shape[-1]
-    packed = torch.cat([out, lse_bits], dim=-1)  # [T, H, L + k]
-    blocks = packed.view(T, N, h, L + k).transpose(0, 1).reshape(N * T, h, L + k)
-    received = all_to_all(blocks, dcp.group).view(N, T, h, L + k)
-    lses = received[..., L:].contiguous().view(torch.float32).view(N, T, h)
-    return torch.ops.mla.merge_attn_states_n(received[..., :L], lses)
+    # One copy builds the send buffer [N, T, h, L + k]: head block j (for rank j) first, (out | lse) per head.
+    blocks = torch.cat([out.view(T, N, h, L).transpose(0, 1), lse_bits.view(T, N, h, k).transpose(0, 1)], dim=-1)
+    received = all_to_all(blocks.view(N * T, h, L + k), dcp.group).view(N, T, h, L + k)
+    lse_bits = received[..., L:]
+    if L % k:  # the fp32 view of the lse bits needs their offset and strides to be multiples of k elements
+        lse_bits = lse_bits.contiguous()
+    return torch.ops.mla.merge_attn_states_n(received[..., :L], lse_bits.view(torch.float32).view(N, T, h))
 
 
 def dcp_decode_with_lse(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,

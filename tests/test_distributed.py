@@ -180,13 +180,13 @@ def spawn(world, cases, backend="gloo"):
         raise AssertionError("\n".join(reports) or str(e)) from None
 
 
-def case_dcp_attention(device, exchange, fmt, interleave, q_per_seq):
+def case_dcp_attention(device, exchange, fmt, interleave, q_per_seq, q_dtype=torch.bfloat16):
     """DCP over the whole world: this rank's heads of the one-process decode."""
     N, rank = dist.get_world_size(), dist.get_rank()
     dcp = DCPGroup.from_group(interleave=interleave, exchange=exchange)
     on_gpu = torch.device(device).type == "cuda"
     x, shards = one_process_and_shards(N, interleave, fmt, q_per_seq=q_per_seq, num_heads=(64 if on_gpu else 2) * N,
-                                       seed=7, device=device, page=64 if on_gpu else 8,
+                                       seed=7, device=device, page=64 if on_gpu else 8, q_dtype=q_dtype,
                                        lens=LENS + [1000, 4097] if on_gpu else LENS, **dims_on(device))
     got = dcp_decode_with_lse(split_heads(x.q_nope, N, rank), split_heads(x.q_pe, N, rank), shards[rank],
                               x.block_table, x.seq_lens, x.softmax_scale, x.kv_scale, dcp)
@@ -330,6 +330,9 @@ CASES = {
 DCP_ATTENTION_CASES = [("dcp_attention", exchange, fmt, interleave, q)
                        for exchange in ("ag_rs", "a2a") for fmt in ("bf16", "fp8_e4m3")
                        for interleave, q in ((1, 1), (4, 2))]
+# Outputs in fp32 and fp16: the all-to-all packs the fp32 LSE as 1 resp. 2 elements of the output's dtype.
+DCP_ATTENTION_CASES += [("dcp_attention", "a2a", "fp32", 2, 1, torch.float32),
+                        ("dcp_attention", "a2a", "fp16", 1, 1, torch.float16)]
 DCP_CACHE_CASES = [("dcp_cache", "bf16", 1, "ag_rs"), ("dcp_cache", "fp8_e4m3", 2, "a2a")]
 
 
