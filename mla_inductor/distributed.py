@@ -38,7 +38,7 @@ attention; ``DCPLatentCache`` is a drop-in for ``PagedLatentCache`` in ``mla_ind
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -61,12 +61,18 @@ __all__ = [
     "DCPLatentCache",
     "DCPLayout",
     "agreed_fp8_scale",
+    "all_gather",
+    "all_reduce_sum",
+    "all_to_all",
+    "allocate_dcp_cache",
     "check_kv_scale_agrees",
     "dcp_decode",
     "dcp_decode_with_lse",
     "local_decode_with_lse",
     "make_dcp_group",
+    "reduce_scatter_sum",
     "shard_deepseek_attention_tp",
+    "split_heads",
     "tp_head_range",
 ]
 

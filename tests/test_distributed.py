@@ -251,17 +251,29 @@ TINY_V3 = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_interme
                n_group=1, topk_group=1, max_position_embeddings=64, pad_token_id=0)
 
 
-def case_tp_hf(device, dcp_size, exchange, fmt):
+def case_tp_hf(device, dcp_size, exchange, fmt, attention_bias=False):
     """An HF DeepSeek-V3 with its attention split over the world by heads (TP = world size), the cache split over
-    DCP groups of ``dcp_size`` ranks inside it (1: TP alone): prefill and decode logits equal one process's."""
+    DCP groups of ``dcp_size`` ranks inside it (1: TP alone): prefill and decode logits equal one process's.
+    ``attention_bias``: o_proj (and the latent projections) with a bias, which TP adds once after the sum."""
     from mla_inductor import hf
     from mla_inductor.distributed import allocate_dcp_cache, shard_deepseek_attention_tp
 
     kv_scale = 0.05 if fmt == "fp8_e4m3" else 1.0
     sizes = dict(batch_size=3, max_seq_len=24, fmt=fmt, page_size=4, kv_scale=kv_scale)
-    whole = hf.build_random_deepseek("v3", device=device, **TINY_V3)
+    config = dict(TINY_V3, attention_bias=attention_bias)
+
+    def build():
+        model = hf.build_random_deepseek("v3", device=device, **config)
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():  # HF initialises biases to 0, which would not show a bias added tp times
+            for p in model.parameters():
+                if p.dim() == 1 and not p.any():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        return model
+
+    whole = build()
     hf.patch_deepseek(whole, hf.allocate_cache(whole, **sizes))
-    split = shard_deepseek_attention_tp(hf.build_random_deepseek("v3", device=device, **TINY_V3), dist.group.WORLD)
+    split = shard_deepseek_attention_tp(build(), dist.group.WORLD)
     if dcp_size == 1:
         cache = hf.allocate_cache(split, **sizes)
     else:
@@ -337,7 +349,7 @@ DCP_CACHE_CASES = [("dcp_cache", "bf16", 1, "ag_rs"), ("dcp_cache", "fp8_e4m3", 
 
 
 TP_CASES = {2: [("tp_hf", 1, "ag_rs", "bf16"), ("tp_hf", 2, "a2a", "fp8_e4m3")],
-            4: [("tp_hf", 2, "ag_rs", "fp8_e4m3"), ("tp_hf", 4, "a2a", "bf16")]}
+            4: [("tp_hf", 2, "ag_rs", "fp8_e4m3"), ("tp_hf", 4, "a2a", "bf16", True)]}
 COMPILE_CASES = [("compiled_dcp_step", "ag_rs"), ("compiled_dcp_step", "a2a")]
 
 
