@@ -19,11 +19,12 @@ Usage (project root):
     KV bytes per GPU; and the DCP step compiled with ``mode="reduce-overhead"`` (CUDA graphs), or the
     measured reason it cannot be.
 
-Timing. (a): ``triton.testing.do_bench`` median (L2 flushed before each call). (b): a compiled step of
-``layers`` calls, each on its own cache copy (as each layer of a model has its own cache; at least 256 MB
-in all, so L2 never holds the next call's cache), under CUDA graphs (``mode="reduce-overhead"``), timed
-with do_bench and divided by ``layers``; ``--mode eager`` times the same calls without compiling. Which
-one ran is printed on every row. (c): the same per-layer steps on both GPUs at once with a fixed number of
+Timing. (a): ``triton.testing.do_bench`` median (L2 flushed before each call). (b): a step of ``layers``
+calls, each on its own cache copy (as each layer of a model has its own cache; at least 256 MB in all, so
+L2 never holds the next call's cache), recorded in one CUDA graph (``--mode graph``, the default: the eager
+op calls, no compile; a compiled step if capture fails), compiled with ``mode="reduce-overhead"``
+(``--mode compiled``) or called eagerly (``--mode eager``), timed with do_bench and divided by ``layers``.
+Which one ran is printed on every row. (c): the same per-layer steps on both GPUs at once with a fixed number of
 iterations (both ranks must make the same collective calls), CUDA events, the slower rank's time.
 
 Everything printed is also written to DIR/bench_distributed.md and DIR/bench_distributed.json (``--out``).
@@ -233,22 +234,45 @@ def collective_bytes(B: int, H: int, dcp: int, tp_heads: int) -> dict:
             "a2a": {"all_gather_q": q, "all_to_all_out_lse": a2a, "total": q + a2a}}
 
 
-def compiled_layers_step(call: Callable, layers: int, mode: str):  # noqa: D103
-    """A function running ``call(i)`` for every layer i, compiled with CUDA graphs (``mode="graph"``) or not."""
+def captured(step: Callable) -> Callable:
+    """``step`` (eager op calls) recorded in one CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graph requires
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def layers_step(call: Callable, layers: int, mode: str) -> tuple[Callable, str]:
+    """A function running ``call(i)`` for every layer i, and how it runs. ``mode``: "graph" records the eager
+    calls in one CUDA graph (no compile: quick), falling back to "compiled"; "compiled" is
+    ``torch.compile(mode="reduce-overhead")`` (the pass's choice of kernels, CUDA graphs); "eager" calls them."""
     def step():
         return [call(i) for i in range(layers)]
 
-    if mode == "eager":
-        return step, "eager"
-    torch._dynamo.reset()  # each step compiles afresh (no recompile limit, no stale CUDA-graph pool)
-    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    try:
-        for _ in range(3):  # compile, record, replay
-            compiled()
-        return compiled, "compiled, CUDA graphs"
-    except Exception as e:  # noqa: BLE001 - reported, then timed eager
-        print(f"  compiled step failed ({type(e).__name__}: {str(e)[:200]}); timing eager", flush=True)
-        return step, f"eager (compiled step failed: {type(e).__name__})"
+    if mode == "graph":
+        try:
+            return captured(step), "eager op calls in one CUDA graph"
+        except Exception as e:  # noqa: BLE001 - reported, then the next way
+            print(f"  CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); compiling", flush=True)
+            torch.cuda.synchronize()
+            mode = "compiled"
+    if mode == "compiled":
+        torch._dynamo.reset()  # each step compiles afresh (no recompile limit, no stale CUDA-graph pool)
+        compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+        try:
+            for _ in range(3):  # compile, record, replay
+                compiled()
+            return compiled, "compiled, CUDA graphs"
+        except Exception as e:  # noqa: BLE001 - reported, then timed eager
+            print(f"  compiled step failed ({type(e).__name__}: {str(e)[:200]}); timing eager", flush=True)
+            return step, f"eager (compiled step failed: {type(e).__name__})"
+    return step, "eager"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -297,7 +321,7 @@ def part_b(rep: Report, setup: Setup, batches, contexts, mode: str, link_gbps: f
                                             layouts[0].local_lengths(p.seq_lens), p.scale, p.kv_scale).backend
             times, how = {}, {}
             for name, call in (("whole S", whole), ("local S/2 + merge", local_and_merge), ("local S/2", local)):
-                step, how[name] = compiled_layers_step(call, layers, "eager" if setup.smoke else mode)
+                step, how[name] = layers_step(call, layers, "eager" if setup.smoke else mode)
                 times[name] = setup.bench_ms(step) / layers
                 rep.say(f"   {name:<18} {times[name] * 1e3:8.1f} us per layer  [{how[name]}]")
             outs = torch.randn(2, B, H, L, device=setup.device).bfloat16()
@@ -481,7 +505,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="32768,131072")
     parser.add_argument("--heads", type=int, default=128)
-    parser.add_argument("--mode", choices=("graph", "eager"), default="graph", help="(b): how the steps are timed")
+    parser.add_argument("--mode", choices=("graph", "compiled", "eager"), default="graph",
+                        help="(b): eager op calls recorded in a CUDA graph, a compiled CUDA-graph step, or eager calls")
     parser.add_argument("--link-gbps", type=float, default=450.0, help="per-direction GPU link bandwidth, GB/s")
     parser.add_argument("--iters", type=int, default=50, help="(c): timed iterations per step")
     parser.add_argument("--exchanges", default="ag_rs,a2a")
