@@ -34,16 +34,15 @@ Without CUDA it says so and exits 0; without 2 GPUs under torchrun, part (c) is 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import sys
 import time
 import traceback
 from typing import Callable, Optional
 
+import report
 import torch
+import torch.distributed as dist
 
 L, R, W = 512, 64, 576  # DeepSeek-V3: kv_lora_rank, rope dim, cache row
 PAGE = 64
@@ -72,9 +71,7 @@ class Setup:
     def bench_ms(self, fn: Callable) -> float:
         """Median ms per call: triton's do_bench on the GPU (L2 flushed before each call)."""
         if self.device == "cuda":
-            import triton
-
-            return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            return report.median_ms(fn)
         fn()
         times = []
         for _ in range(3):
@@ -85,7 +82,7 @@ class Setup:
 
 
 class Report:
-    """Lines printed as they come, and the results, for the markdown and JSON files."""
+    """Lines printed as they come (rank 0 only), and the results, for the markdown and JSON files."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -94,44 +91,29 @@ class Report:
 
     def say(self, line: str = "") -> None:
         if self.enabled:
-            print(line, flush=True)
+            report.progress(line)
             self.lines.append(line)
 
     def write(self, out_dir: Optional[str]) -> None:
-        if not self.enabled or not out_dir:
-            return
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_distributed.md"), "w") as f:
-            f.write("# bench_distributed\n\n```\n" + "\n".join(self.lines) + "\n```\n")
-        with open(os.path.join(out_dir, "bench_distributed.json"), "w") as f:
-            json.dump(self.results, f, indent=2, default=str)
-        print(f"wrote {out_dir}/bench_distributed.md and .json", flush=True)
+        if self.enabled:
+            markdown = "# bench_distributed\n\n```\n" + "\n".join(self.lines) + "\n```"
+            report.write_results(out_dir, "bench_distributed", markdown, self.results)
 
 
 def environment() -> dict:
-    import mla_inductor
-    from mla_inductor.backends import library_versions
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "mla_inductor": mla_inductor.__version__}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    env.update({k: v for k, v in library_versions().items()})
+    env = report.environment(("flash_mla",))
     if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["gpus_visible"] = torch.cuda.device_count()
+        env["gpus visible"] = torch.cuda.device_count()
         env["cuda"] = torch.version.cuda
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            env["nccl"] = None
     return env
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    from mla_inductor.testing import relative_error
-
-    return relative_error(a.float(), b.float())
+    return report.relative_error(a, b)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -357,8 +339,6 @@ def part_b(rep: Report, setup: Setup, batches, contexts, mode: str, link_gbps: f
 
 def timed_on_all_ranks(setup: Setup, fn: Callable, iters: int, warmup: int = 5) -> float:
     """ms per call of ``fn`` run ``iters`` times on every rank at once; the slowest rank's time."""
-    import torch.distributed as dist
-
     for _ in range(warmup):
         fn()
     setup.sync()
@@ -407,8 +387,6 @@ def compiled_on_all_ranks(step: Callable, mode: str) -> tuple[Optional[Callable]
 
 
 def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters: int, exchanges) -> None:
-    import torch.distributed as dist
-
     from mla_inductor.distributed import DCPGroup, all_gather, all_to_all, dcp_decode, reduce_scatter_sum
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -500,7 +478,7 @@ def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="write bench_distributed.md and bench_distributed.json here")
+    report.add_out_argument(parser)
     parser.add_argument("--quick", action="store_true", help="B=1 and S=32k only, fewer merge sizes")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="32768,131072")
@@ -522,8 +500,10 @@ def main(argv=None) -> int:
     if args.smoke:
         args.iters = 2
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    launched = dist.is_available() and dist.is_torchelastic_launched()  # under torchrun
+    if launched:
+        dist.init_process_group("nccl" if setup.device == "cuda" and torch.cuda.is_available() else "gloo")
+    world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     rep = Report(enabled=rank == 0)
     import mla_inductor.lowering  # noqa: F401  (the compiled steps go through the pass)
 
@@ -531,24 +511,18 @@ def main(argv=None) -> int:
     rep.results["argv"] = sys.argv
     rep.results["skipped"] = {}
     rep.say(f"bench_distributed{' --smoke (CPU, toy sizes: times mean nothing)' if args.smoke else ''}: "
-            f"{json.dumps(rep.results['environment'])}")
+            f"{report.environment_line(rep.results['environment'])}")
     if not args.smoke and not torch.cuda.is_available():
-        reason = "no CUDA GPU: parts (a), (b) and (c) need one (c: 2, under torchrun)"
+        reason = ("needs a CUDA GPU: parts (a) and (b) time GPU kernels, part (c) needs 2 GPUs under torchrun; "
+                  f"torch.cuda.is_available() is False here (torch {torch.__version__}). Nothing was run.")
         rep.say(f"skipped: {reason}")
         rep.results["skipped"]["all"] = reason
         rep.write(args.out)
+        if launched:
+            dist.destroy_process_group()
         return 0
-
-    if world > 1:
-        import torch.distributed as dist
-
-        if setup.device == "cuda":
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-            if torch.cuda.device_count() <= local_rank:
-                print(f"rank {rank}: needs GPU {local_rank}, found {torch.cuda.device_count()}", flush=True)
-                return 1
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if setup.device == "cuda" else "gloo")
+    if launched and setup.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one process per GPU of this host
     started = time.time()
     try:
         if rank == 0:
@@ -564,8 +538,6 @@ def main(argv=None) -> int:
                 rep.say(f"skipped: {reason}")
                 rep.results["skipped"]["c"] = reason
             else:
-                import torch.distributed as dist
-
                 dist.barrier()
                 part_c(rep, setup, batches, contexts, args.link_gbps, args.iters, exchanges)
     except Exception:  # noqa: BLE001 - what ran is still written, then the error goes on
@@ -574,11 +546,8 @@ def main(argv=None) -> int:
         rep.write(args.out)
         raise
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if launched and dist.is_initialized():
+            dist.destroy_process_group()
     rep.say(f"done in {time.time() - started:.0f} s")
     rep.write(args.out)
     return 0

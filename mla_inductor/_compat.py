@@ -36,6 +36,44 @@ def real_tensors():
     return unset_fake_temporarily()
 
 
+# ----------------------------------------------------------------------------- functional collectives
+
+
+def _functional_collectives():
+    """``torch.distributed._functional_collectives``: collectives that return new tensors instead of writing
+    into an argument, which is what lets torch.compile trace them (Inductor lowers them). Imported on first
+    use, so ``import mla_inductor`` loads none of torch.distributed's modules."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (rank order)."""
+    funcol = _functional_collectives()
+    # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; 2.11 has the old names only.
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(gather(x, dim, group))
+
+
+def reduce_scatter_tensor_sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """``x`` summed over ranks, this rank's block of ``dim`` kept."""
+    funcol = _functional_collectives()
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return funcol.wait_tensor(scatter(x, "sum", dim, group))
+
+
+def all_to_all_equal_blocks(x: torch.Tensor, group) -> torch.Tensor:
+    """Block j of dim 0 sent to rank j; block i of the result came from rank i."""
+    funcol = _functional_collectives()
+    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    funcol = _functional_collectives()
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
 # ----------------------------------------------------------------------------- installing the pass lazily
 
 INDUCTOR_CONFIG = "torch._inductor.config"

@@ -44,12 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# Private torch API, confined to the small functions below (the four collectives and _mark_static):
-# functional collectives return new tensors instead of writing into an argument, which is what lets
-# torch.compile trace them.
-import torch.distributed._functional_collectives as _funcol
-
 import mla_inductor.merge  # noqa: F401  (registers mla.merge_attn_states_n)
+from mla_inductor import _compat
 from mla_inductor.cache import PagedLatentCache, cache_dtype, fp8_scale_for, token_width
 from mla_inductor.merge import clean_lse
 
@@ -78,36 +74,26 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------------------
-# Collectives (functional: traceable by torch.compile)
-
-# torch 2.13 renamed the gather/scatter functions (*_tensor -> *_single); 2.11 has only the old names.
-_all_gather_fn = getattr(_funcol, "all_gather_single", None) or _funcol.all_gather_tensor
-_reduce_scatter_fn = getattr(_funcol, "reduce_scatter_single", None) or _funcol.reduce_scatter_tensor
+# Collectives (functional: traceable by torch.compile; the private torch API behind them is in _compat)
 
 
 def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
-    return _funcol.wait_tensor(_all_gather_fn(x.contiguous(), dim, group))
+    return _compat.all_gather_tensor(x.contiguous(), dim, group)
 
 
 def reduce_scatter_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Sum ``x`` over ranks and keep this rank's block of dim 0 (dim 0 = N blocks)."""
-    return _funcol.wait_tensor(_reduce_scatter_fn(x.contiguous(), "sum", 0, group))
+    return _compat.reduce_scatter_tensor_sum(x.contiguous(), 0, group)
 
 
 def all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Send block j of dim 0 to rank j; block i of the result came from rank i (dim 0 = N equal blocks)."""
-    return _funcol.wait_tensor(_funcol.all_to_all_single(x.contiguous(), None, None, group))
+    return _compat.all_to_all_equal_blocks(x.contiguous(), group)
 
 
 def all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    return _funcol.wait_tensor(_funcol.all_reduce(x, "sum", group))
-
-
-def _mark_static(t: Tensor) -> None:
-    """Private torch API (as in cache.py): CUDA-graph trees then read the tensor in place instead of copying it
-    into a static buffer at every replay (hundreds of MB per cache layer)."""
-    torch._dynamo.mark_static_address(t)
+    return _compat.all_reduce_sum(x, group)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -369,7 +355,7 @@ class DCPLatentCache:
         kv_caches = [torch.zeros(pages, page_size, width, dtype=cache_dtype(fmt), device=device)
                      for _ in range(num_layers)]
         for t in kv_caches:
-            _mark_static(t)
+            _compat.mark_static_address(t)
         return cls(index, kv_caches, dcp, page_size)
 
     block_table = property(lambda self: self.index.block_table)
