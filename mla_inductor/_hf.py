@@ -54,10 +54,12 @@ _FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16
 
 @dataclass(frozen=True)
 class ModelSupport:
-    """A ``config.model_type`` whose attention caches the MLA latent and calls the attention interface."""
+    """A ``config.model_type`` whose attention caches the MLA latent and calls the attention interface.
+    ``sparse``: DeepSeek sparse attention (DSA), an indexer picks each query's top-k keys."""
 
     causal_lm: str
     models: str
+    sparse: bool = False
 
 
 SUPPORTED_MODEL_TYPES: dict[str, ModelSupport] = {
@@ -70,6 +72,8 @@ SUPPORTED_MODEL_TYPES: dict[str, ModelSupport] = {
     "youtu": ModelSupport("YoutuForCausalLM", "Youtu-LLM"),
     "minicpm3": ModelSupport("MiniCPM3ForCausalLM", "MiniCPM3 (rotate-half rope)"),
     "axk1": ModelSupport("AXK1ForCausalLM", "A.X K1"),
+    "deepseek_v32": ModelSupport("DeepseekV32ForCausalLM", "DeepSeek-V3.2 (DSA top-k)", sparse=True),
+    "glm_moe_dsa": ModelSupport("GlmMoeDsaForCausalLM", "GLM-5 (DSA top-k, shared indexer layers)", sparse=True),
 }
 
 
@@ -85,7 +89,7 @@ def check_model(model: nn.Module) -> ModelSupport:
     if support is None:
         raise TypeError(
             f"mla_inductor.hf supports model types {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, got "
-            f"{model_type!r} ({type(model).__name__}); DeepSeek-V3.2-style sparse attention (DSA) is not supported yet"
+            f"{model_type!r} ({type(model).__name__})"
         )
     return support
 
@@ -180,6 +184,11 @@ class PagedMLACache(Cache):
 
     Lengths: ``seq_lens`` [B] int32 counts each sequence's real tokens; ``get_seq_length()`` counts the
     input columns seen (pads included), as HF's own caches do, as a 0-d device tensor like ``StaticCache``.
+
+    DSA models (DeepSeek-V3.2, GLM-5): the indexer's keys are kept for every column (a static buffer, as
+    in HF's ``StaticIndexedLayer``), the mask spans ``max_seq_len`` columns (pads included, so there
+    ``max_seq_len`` bounds the prompt with its padding plus the new tokens), and the top-k columns each
+    query gets become ``sparse_indices`` slots of ``mla.paged_decode``.
     """
 
     def __init__(
@@ -193,6 +202,7 @@ class PagedMLACache(Cache):
         kv_scale: float = 1.0,
     ):
         register()
+        support = check_model(model)
         modules = mla_attention_modules(model)
         kv_lora_rank, rope_dim = _check_dims(modules)
         weight = next(iter(modules.values())).kv_b_proj.weight
@@ -211,12 +221,23 @@ class PagedMLACache(Cache):
         super().__init__(layers=[_PagedLayer() for _ in range(num_layers)])
         self._paged = paged
         self.max_seq_len = max_seq_len
+        # Columns seen (pads included): changes inside compiled decode steps, so it lives on the device.
         self._columns = torch.zeros((), dtype=torch.int64, device=weight.device)
         torch._dynamo.mark_static_address(self._columns)
         self._links = {i: _link_of(m) for i, m in modules.items()}
         self._first_layer = min(modules)
         self._has_tokens = False  # host-side: the next forward is a prompt on an empty cache when False
         self._prompt_forward = False  # the forward in progress runs ordinary attention (set by its first layer)
+        self.sparse = support.sparse
+        self._indexer_keys = {i: self._indexer_buffer(m, batch_size, max_seq_len, weight.dtype)
+                              for i, m in modules.items() if getattr(m, "indexer", None) is not None}
+
+    @staticmethod
+    def _indexer_buffer(module, batch_size, max_seq_len, dtype) -> torch.Tensor:
+        keys = torch.zeros(batch_size, max_seq_len, module.indexer.head_dim, dtype=dtype,
+                           device=module.kv_b_proj.weight.device)
+        torch._dynamo.mark_static_address(keys)
+        return keys
 
     # ---------------------------------------------------------------- what the cache is
     @property
@@ -295,24 +316,38 @@ class PagedMLACache(Cache):
         if L != self.kv_lora_rank or value_states.shape[-1] != self.rope_dim:
             raise ValueError(f"PagedMLACache.update expects latents [B, 1, Q, {self.kv_lora_rank}] and rope keys "
                              f"[B, 1, Q, {self.rope_dim}], got {tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if layer_idx == self._first_layer:
+            self._begin_forward(key_states.shape[2])
         link.cache, link.kv_c, link.k_pe = self, key_states, value_states
         return key_states, value_states
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """DSA: store the new columns' indexer keys [B, S, D]; returns all [B, max_seq_len, D] (columns not
+        seen yet are masked by the mask, as with HF's static indexer cache)."""
+        keys = self._indexer_keys.get(layer_idx)
+        if keys is None:
+            raise ValueError(f"PagedMLACache.update_indexer: layer {layer_idx} has no indexer")
+        S = indexer_key_states.shape[1]
+        columns = self._columns - S + torch.arange(S, device=keys.device)  # update() already counted them
+        keys.index_copy_(1, columns, indexer_key_states.to(keys.dtype))
+        return keys
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
         return self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        # The mask covers the new tokens only: cached tokens are never masked (pads are not stored).
-        return query_length, 0
+        # Dense: the mask covers the new tokens only (cached tokens are never masked: pads are not stored).
+        # DSA: the indexer scores every column, so the mask spans them all, at a fixed size.
+        return (self.max_seq_len, 0) if self.sparse else (query_length, 0)
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
+    def get_query_offset(self, layer_idx: int = 0):
+        return self._columns if self.sparse else 0
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
         return self.max_seq_len
 
     def reset(self) -> None:
-        """Forget every sequence (the pages stay allocated)."""
+        """Forget every sequence (the pages stay allocated; stale indexer keys sit in masked columns)."""
         self.seq_lens.zero_()
         self._columns.zero_()
         self._has_tokens = False
@@ -337,6 +372,8 @@ class PagedMLACache(Cache):
         for kv in self.kv_caches:
             rows = kv.view(B, -1, kv.shape[-1])
             rows.copy_(rows.index_select(0, beam_idx))
+        for keys in self._indexer_keys.values():
+            keys.copy_(keys.index_select(0, beam_idx))
         self.seq_lens.copy_(self.seq_lens.index_select(0, beam_idx))
 
     def batch_repeat_interleave(self, repeats: int):
@@ -371,8 +408,20 @@ class PagedMLACache(Cache):
             slots = torch.where(real, slots, -1)
         return slots.to(torch.int32).flatten()
 
-    def _begin_forward(self, real: torch.Tensor, num_columns: int) -> None:
-        """At the forward's first MLA layer: count the new tokens and decide prompt vs decode attention."""
+    def _begin_forward(self, num_columns: int) -> None:
+        """At the forward's first MLA layer (in ``update``): count the new columns and decide prompt vs
+        decode attention for every layer of this forward."""
+        if self.sparse and not torch.compiler.is_compiling():
+            columns = int(self._columns) + num_columns
+            if columns > self.max_seq_len:
+                raise ValueError(f"PagedMLACache: {columns} columns (padding included) would exceed max_seq_len="
+                                 f"{self.max_seq_len}; make the cache with a larger max_seq_len")
+        self._columns.add_(num_columns)
+        self._prompt_forward = not self._has_tokens
+        self._has_tokens = True
+
+    def _count_real_tokens(self, real: torch.Tensor) -> None:
+        """At the forward's first MLA layer (in the attention): add each sequence's real new tokens."""
         new_lens = self.seq_lens + real.sum(-1, dtype=torch.int32)
         if not torch.compiler.is_compiling():
             longest = int(new_lens.max())
@@ -380,9 +429,6 @@ class PagedMLACache(Cache):
                 raise ValueError(f"PagedMLACache: a sequence would hold {longest} tokens, more than max_seq_len="
                                  f"{self.max_seq_len}; make the cache with a larger max_seq_len")
         self.seq_lens.copy_(new_lens)
-        self._columns.add_(num_columns)
-        self._prompt_forward = not self._has_tokens
-        self._has_tokens = True
 
     def _append(self, layer: int, real: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write the real new tokens of one layer. Left padding: sequence b's real new tokens are its last
@@ -394,19 +440,50 @@ class PagedMLACache(Cache):
         torch.ops.mla.cache_append(self.kv_caches[layer], kv_c.reshape(B * Q, L), k_pe.reshape(B * Q, -1),
                                    slots, self.kv_scale)
 
-    def attend(self, module, query, key, value, attention_mask, scaling, kv_c, k_pe, **kwargs):
+    def _real_new_tokens(self, attention_mask: Optional[torch.Tensor], B: int, Q: int, device) -> torch.Tensor:
+        """[B, Q] bool: which new tokens are real. A token attends to itself unless it is padding, so this is
+        the mask's diagonal (dense: the mask covers the new tokens; DSA: their columns of all of them)."""
+        if attention_mask is None:
+            return torch.ones(B, Q, dtype=torch.bool, device=device)
+        kv = self.max_seq_len if self.sparse else Q
+        if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (Q, kv):
+            raise ValueError(
+                f"mla_inductor attention with a PagedMLACache expects the boolean mask [B, 1, Q={Q}, {kv}] of the "
+                f"'{ATTN_IMPLEMENTATION}' mask function, got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        columns = (self._columns - Q + torch.arange(Q, device=device)) if self.sparse else torch.arange(Q, device=device)
+        return attention_mask[:, 0].gather(-1, columns.view(1, Q, 1).expand(attention_mask.shape[0], Q, 1)).view(-1, Q).expand(B, Q)
+
+    def _sparse_slots(self, indices: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """DSA: the indexer's top-k columns [B, Q, K] -> ``sparse_indices`` [B*Q, K] int32 slots, -1 where a
+        column is masked (causal, padding, not seen yet). Left padding: column c of sequence b holds its
+        token at position c - (b's pad columns)."""
+        B, Q, K = indices.shape
+        columns = indices.long()
+        allowed = attention_mask[:, 0].expand(B, Q, -1).gather(-1, columns.clamp(0, self.max_seq_len - 1))
+        pads = (self._columns - self.seq_lens).long()  # both already count this forward
+        positions = columns - pads[:, None, None]
+        return self._slots(positions.view(B, Q * K), (allowed & (positions >= 0)).view(B, Q * K)).view(B * Q, K)
+
+    def attend(self, module, query, key, value, attention_mask, scaling, kv_c, k_pe, indices=None, **kwargs):
         """The attention of one layer: query [B, H, Q, nope+R]; keys/values expanded from the new tokens;
-        returns ([B, Q, H, v], None) like HF's attention functions."""
+        ``indices`` [B, Q, K]: a DSA layer's top-k columns. Returns ([B, Q, H, v], None) like HF's
+        attention functions."""
         B, _, Q, _ = query.shape
-        real = _real_new_tokens(attention_mask, B, Q, query.device)
+        real = self._real_new_tokens(attention_mask, B, Q, query.device)
         if module.layer_idx == self._first_layer:
-            self._begin_forward(real, Q)
+            self._count_real_tokens(real)
         self._append(module.layer_idx, real, kv_c, k_pe)
         if self._prompt_forward:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        return self._absorbed_attention(module, query, scaling), None
+            if self.sparse and attention_mask is not None:
+                attention_mask = attention_mask[..., :Q]  # the prompt fills the first columns
+            return sdpa_attention_forward(module, query, key, value, _with_top_k(attention_mask, indices, B, Q),
+                                          scaling=scaling, **kwargs)
+        sparse_indices = None if indices is None else self._sparse_slots(indices, attention_mask)
+        return self._absorbed_attention(module, query, scaling, sparse_indices), None
 
-    def _absorbed_attention(self, module, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _absorbed_attention(self, module, query: torch.Tensor, scaling: float,
+                            sparse_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         """mla.paged_decode on the absorbed query: W_UK folded into the query, W_UV applied to the output.
 
         kv_b_proj.weight [H*(nope+v), L] holds, per head, nope rows of W_UK then v rows of W_UV; both are
@@ -419,23 +496,23 @@ class PagedMLACache(Cache):
         q_latent = torch.bmm(q_nope, w[:, :nope]).transpose(0, 1)  # [T, H, L], last dim contiguous
         q_pe = query[..., nope:].transpose(1, 2).reshape(T, H, -1)
         out = torch.ops.mla.paged_decode(q_latent, q_pe, self.kv_caches[module.layer_idx], self.block_table,
-                                         self.seq_lens, scaling, self.kv_scale)  # [T, H, L]
+                                         self.seq_lens, scaling, self.kv_scale, sparse_indices)  # [T, H, L]
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]
         return out.transpose(0, 1).reshape(B, Q, H, v)
 
 
-def _real_new_tokens(attention_mask: Optional[torch.Tensor], B: int, Q: int, device) -> torch.Tensor:
-    """[B, Q] bool: which new tokens are real, from the mask ``mla_attention_mask`` built over them (a
-    token attends to itself unless it is padding)."""
+def _with_top_k(attention_mask: Optional[torch.Tensor], indices: Optional[torch.Tensor], B: int, Q: int):
+    """A DSA layer's boolean mask [B, 1, Q, W] restricted to its top-k columns ``indices`` [B, Q, K] (what
+    HF's eager and sdpa paths do before attending); columns >= W are dropped."""
+    if indices is None:
+        return attention_mask
     if attention_mask is None:
-        return torch.ones(B, Q, dtype=torch.bool, device=device)
-    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (Q, Q):
-        raise ValueError(
-            f"mla_inductor attention with a PagedMLACache expects the boolean mask [B, 1, Q={Q}, Q] of the "
-            f"'{ATTN_IMPLEMENTATION}' mask function (new tokens only), got {attention_mask.dtype} "
-            f"{tuple(attention_mask.shape)}"
-        )
-    return attention_mask[:, 0].diagonal(dim1=-2, dim2=-1).expand(B, Q)
+        raise ValueError("a DSA layer needs the boolean attention mask its indexer was given")
+    W = attention_mask.shape[-1]
+    columns = indices.long()
+    columns = torch.where(columns < W, columns, W)  # out of the mask's range: into a column sliced off below
+    chosen = torch.zeros(B, Q, W + 1, dtype=torch.bool, device=indices.device).scatter(-1, columns, True)
+    return attention_mask & chosen[..., :W].unsqueeze(1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -448,8 +525,9 @@ def mla_attention(module, query, key, value, attention_mask, dropout: float = 0.
     link = module.__dict__.get(_LINK_ATTR)
     cache, kv_c, k_pe = link.take() if link is not None and link.cache is not None else (None, None, None)
     if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        B, _, Q, _ = query.shape
+        mask = _with_top_k(attention_mask, kwargs.pop("indices", None), B, Q)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError("mla_inductor attention is for inference: dropout must be 0 (call model.eval())")
     scaling = module.scaling if scaling is None else scaling

@@ -84,10 +84,12 @@ class CountMLAOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts = Counter()
+        self.sparse_calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "mla":
             self.counts[func.__name__.split(".")[0]] += 1
+            self.sparse_calls += func.__name__.startswith("paged_decode") and len(args) > 7 and args[7] is not None
         return func(*args, **(kwargs or {}))
 
 
@@ -300,24 +302,52 @@ FAMILY = {
                           q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, head_dim=16, v_head_dim=24,
                           ffn_hidden_size=96, moe_topk=2, n_routed_experts=8, zero_expert_num=2,
                           expert_ffn_hidden_size=32, max_position_embeddings=256, pad_token_id=0),
+    # DSA with a top-k larger than any context here: every visible key is picked (the sparse path, dense result).
+    "deepseek_v32": dict(BASE, n_group=2, topk_group=1, index_head_dim=32, index_n_heads=4, index_topk=64),
+    "glm_moe_dsa": dict(BASE, n_group=1, topk_group=1, index_head_dim=32, index_n_heads=4, index_topk=64),
 }
 
 
 def test_every_supported_model_type_is_tested():
     assert set(hf.SUPPORTED_MODEL_TYPES) == set(FAMILY) | {"deepseek_v2", "deepseek_v3"}
+    assert {t for t, s in hf.SUPPORTED_MODEL_TYPES.items() if s.sparse} == {"deepseek_v32", "glm_moe_dsa"}
+
+
+def family_model(model_type, **overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny configs trip transformers' config sanity warnings
+        model = random_mla_model(model_type, attn_implementation="eager", bos_token_id=1, eos_token_id=2,
+                                 **dict(FAMILY[model_type], **overrides))
+    model.generation_config.eos_token_id = None
+    return model
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY))
 def test_other_mla_model_types_generate_like_hf_eager(model_type):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = random_mla_model(model_type, attn_implementation="eager", bos_token_id=1, eos_token_id=2,
-                                 **FAMILY[model_type])
-    model.generation_config.eos_token_id = None
+    model = family_model(model_type)
     ids, mask = left_padded_prompts(seed=10)
     want = hf_generate(model, ids, mask, 8)
-    got = hf_generate(model, ids, mask, 8, past_key_values=use_mla(model, batch=4))
+    with CountMLAOps() as ops:
+        got = hf_generate(model, ids, mask, 8, past_key_values=use_mla(model, batch=4))
     assert torch.equal(got, want), model_type
+    assert ops.counts["paged_decode"] == 7 * len(hf.PagedMLACache(model, batch_size=1, max_seq_len=1).kv_caches)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_top_k_generate_like_hf_eager_with_its_static_cache(model_type):
+    """DSA with a top-k (6) smaller than the context: each decode step's query attends to the indexer's 6
+    columns through mla.paged_decode's sparse_indices. The reference is HF's eager attention on its static
+    cache, whose indexer scores a fixed number of columns (prompt + new - 1) like ours: the indexer's scores
+    tie (relu) or nearly tie, and a different column count breaks the ties differently, in HF's own caches
+    as in ours."""
+    model = family_model(model_type, index_topk=6)
+    ids, mask = left_padded_prompts(seed=0)
+    want = hf_generate(model, ids, mask, 16, cache_implementation="static")
+    cache = use_mla(model, batch=4, max_seq_len=PROMPT_LEN + 16 - 1)
+    with CountMLAOps() as ops:
+        got = hf_generate(model, ids, mask, 16, past_key_values=cache)
+    assert torch.equal(got, want), f"{model_type}: ours\n{got[:, PROMPT_LEN:]}\nHF eager\n{want[:, PROMPT_LEN:]}"
+    assert ops.sparse_calls == 15 * model.config.num_hidden_layers
 
 
 # ---------------------------------------------------------------------------------------------- API and errors
