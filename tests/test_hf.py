@@ -196,6 +196,23 @@ def test_beam_search_matches_hf_eager():
     assert torch.equal(got, want)
 
 
+def test_prompt_lookup_decoding_crops_the_cache():
+    """Assisted generation (prompt lookup): candidates are checked in one forward of several tokens, the
+    rejected ones are cropped off the cache (HF's crop(-n))."""
+    model = make_model("v3_yarn")
+    ids, _ = left_padded_prompts(pad_lens=(0,), seed=2)
+    ids = torch.cat([ids, ids], 1)  # a repeated prompt gives the lookup candidates
+    mask = torch.ones_like(ids)
+    want = hf_generate(model, ids, mask, 16)
+    cache = use_mla(model, batch=1)
+    crops = []
+    crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), crop(n))[1]
+    got = hf_generate(model, ids, mask, 16, past_key_values=cache, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+    assert any(n < 0 for n in crops[1:]), crops  # some candidates were rejected after the first step
+
+
 def test_without_a_paged_cache_the_attention_is_hf_sdpa():
     """With the mla_inductor attention but HF's DynamicCache (or none), the function falls back to sdpa."""
     model = make_model("v2_plain")
