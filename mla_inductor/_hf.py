@@ -41,6 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from mla_inductor._compat import mark_static_address
 from mla_inductor.cache import PagedLatentCache
 
 ATTN_IMPLEMENTATION = "mla_inductor"
@@ -223,7 +224,7 @@ class PagedMLACache(Cache):
         self.max_seq_len = max_seq_len
         # Columns seen (pads included): changes inside compiled decode steps, so it lives on the device.
         self._columns = torch.zeros((), dtype=torch.int64, device=weight.device)
-        torch._dynamo.mark_static_address(self._columns)
+        mark_static_address(self._columns)
         self._links = {i: _link_of(m) for i, m in modules.items()}
         self._first_layer = min(modules)
         self._has_tokens = False  # host-side: the next forward is a prompt on an empty cache when False
@@ -236,7 +237,7 @@ class PagedMLACache(Cache):
     def _indexer_buffer(module, batch_size, max_seq_len, dtype) -> torch.Tensor:
         keys = torch.zeros(batch_size, max_seq_len, module.indexer.head_dim, dtype=dtype,
                            device=module.kv_b_proj.weight.device)
-        torch._dynamo.mark_static_address(keys)
+        mark_static_address(keys)
         return keys
 
     # ---------------------------------------------------------------- what the cache is
