@@ -213,12 +213,10 @@ class PagedMLACache(Cache):
             rope_dim=rope_dim, page_size=page_size, fmt=fmt or _FORMAT_OF_DTYPE[weight.dtype], kv_scale=kv_scale,
             device=weight.device,
         )
-        # Every sequence owns ceil(max_seq_len / page_size) pages, in row order (reorder_cache relies on it);
-        # lengths are then counted on the device only.
+        # Every sequence owns ceil(max_seq_len / page_size) pages from the start; lengths are then counted on
+        # the device only, so no step needs the host-side page allocator.
         paged.reserve(max_seq_len)
         paged.seq_lens.zero_()
-        pages_per_row = paged.block_table.shape[1]
-        assert torch.equal(paged.block_table.flatten().cpu(), torch.arange(batch_size * pages_per_row, dtype=torch.int32))
         super().__init__(layers=[_PagedLayer() for _ in range(num_layers)])
         self._paged = paged
         self.max_seq_len = max_seq_len
@@ -369,10 +367,9 @@ class PagedMLACache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence i continues sequence ``beam_idx[i]`` (copies the pages)."""
         beam_idx = beam_idx.to(self.seq_lens.device)
-        B = self.batch_size
+        pages = self.block_table.long()
         for kv in self.kv_caches:
-            rows = kv.view(B, -1, kv.shape[-1])
-            rows.copy_(rows.index_select(0, beam_idx))
+            kv.index_copy_(0, pages.flatten(), kv.index_select(0, pages[beam_idx].flatten()))
         for keys in self._indexer_keys.values():
             keys.copy_(keys.index_select(0, beam_idx))
         self.seq_lens.copy_(self.seq_lens.index_select(0, beam_idx))

@@ -498,3 +498,18 @@ def test_gpu_fp8_cache_top1_agrees_with_bf16(fmt):
     raw, decisive, share = top1_agreement(model, prompts, fmt, n=16, page_size=64)
     print(f"\n{fmt} (GPU): top-1 agrees with bf16 on {raw:.1%} of steps, {decisive:.1%} of the {share:.0%} decisive")
     assert decisive >= 0.95 and raw >= 0.85, (raw, decisive)
+
+
+def test_bench_generate_runs_as_a_cpu_smoke_test(tmp_path):
+    """The GPU benchmark's script logic, at tiny sizes on CPU: every row runs and the results are written."""
+    import json
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_generate.py"
+    result = subprocess.run([sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_generate.json").read_text())
+    rows = {row["name"]: row for row in data["rows"]}
+    assert set(rows) == {"prefill-hf", "prefill-mla", "generate-mla", "loop-mla", "generate-hf"}
+    assert all(row["error"] is None and row["ms"] is not None for row in rows.values()), rows  # CPU times mean nothing
+    assert set(data["ratios"]) == set(data["targets"]) and (tmp_path / "bench_generate.md").is_file()
