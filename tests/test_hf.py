@@ -268,6 +268,33 @@ def test_own_compiled_decode_loop_matches_hf_eager():
     assert any(d.backend == "reference" and d.problem.device_type == "cpu" for d in before)
 
 
+def test_compiled_step_reads_kv_b_proj_only_as_w_uk_and_w_uv():
+    """HF expands the latents update() returns; in a decode step nothing reads that expansion, so the
+    compiled step drops it: kv_b_proj's weight appears in exactly two matmuls, the absorbed query (W_UK)
+    and the output (W_UV), both on views of the weight (no copy)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = make_model("v2_plain", layers=1, first_k_dense_replace=1)
+    ids, mask = left_padded_prompts(seed=12)
+    cache = use_mla(model, batch=4)
+    hf.prefill(model, ids, mask, cache=cache)
+    step = torch.compile(hf.decode_one_token, fullgraph=True)
+    with torch.no_grad():
+        _, codes = run_and_get_code(step, model, ids[:, -1], cache)
+    weight = model.model.layers[0].self_attn.kv_b_proj.weight
+    shape = f"({weight.shape[0]}, {weight.shape[1]}), ({weight.shape[1]}, 1)"
+    code = "\n".join(codes)
+    names = {line.split("assert_size_stride(")[1].split(",")[0] for line in code.splitlines()
+             if "assert_size_stride(" in line and shape in line}
+    assert len(names) == 1, names  # the one parameter of that shape
+    (name,) = names
+    uses = [line.strip() for line in code.splitlines() if f"{name}," in line or f"{name})" in line]
+    uses = [u for u in uses if not u.startswith(("assert_size_stride", "del ", "return", name))
+            and not u.endswith("= args")]
+    assert len(uses) == 2 and all("bmm" in u and "reinterpret_tensor" in u for u in uses), uses
+
+
 # ---------------------------------------------------------------------------------------------- fp8 cache
 
 
