@@ -14,8 +14,8 @@ Variants (each needs transformers >= 5):
 
 - ``hf-eager``:   HF's forward, sdpa attention, its DynamicCache (latents, expanded by kv_b_proj each step).
 - ``hf-compile``: the same under ``torch.compile`` (default mode; DynamicCache rules out CUDA graphs).
-- ``mla-<fmt>``:  ``mla_inductor.hf.patch_deepseek`` + ``torch.compile(decode_one_token, fullgraph=True,
-  mode="reduce-overhead")`` (CUDA graphs on GPU) on a paged cache of format ``fmt``.
+- ``mla-<fmt>``:  the ``"mla_inductor"`` attention and a ``mla_inductor.hf.PagedMLACache`` of format ``fmt``,
+  ``torch.compile(hf.decode_one_token, fullgraph=True, mode="reduce-overhead")`` (CUDA graphs on GPU).
 
 Reports ms per step, the attention share of it (all layers' attention modules timed on their own, the
 same way as the step: projections, cache write and read, attention), KV-cache bytes per token (per layer
@@ -88,10 +88,10 @@ def time_ms(fn: Callable[[], object], device, warmup: int, iters: int) -> float:
 
 
 def build_model(args, device, dtype):
-    from mla_inductor import hf
+    from mla_inductor.testing import random_deepseek_model
 
     attention = SMALL_ATTENTION if args.small else REAL_V3_ATTENTION
-    return hf.build_random_deepseek(
+    return random_deepseek_model(
         "v3", dtype=dtype, device=device, seed=0, num_hidden_layers=args.layers, first_k_dense_replace=args.layers,
         intermediate_size=args.intermediate, vocab_size=args.vocab, max_position_embeddings=163840,
         rope_parameters=YARN, pad_token_id=0, **attention,
@@ -117,6 +117,7 @@ def bench_hf(model, args, batch, compiled: bool, device) -> Row:
     dtype = model.lm_head.weight.dtype
     row = Row("hf-compile" if compiled else "hf-eager", batch, "bf16", kv_bytes_per_token(config, "bf16"),
               config.num_hidden_layers, note="DynamicCache, sdpa")
+    model.set_attn_implementation("sdpa")
     kv_cache = DynamicCache(config=config)
     for layer in range(config.num_hidden_layers):
         kv_cache.update(torch.randn(batch, 1, ctx + 1, L, device=device, dtype=dtype),
@@ -151,50 +152,41 @@ def bench_hf(model, args, batch, compiled: bool, device) -> Row:
 # ---------------------------------------------------------------------------------------------------- ours
 
 
-def fill_random(cache, context: int, chunk: int = 1 << 16) -> None:
-    """Give every sequence ``context`` tokens of random latent (RMS-normed scale) and rope keys."""
-    slots = cache.reserve(context)
-    device = cache.block_table.device
-    for kv in cache.kv_caches:
-        for part in slots.split(chunk):
-            n = part.shape[0]
-            torch.ops.mla.cache_append(kv, torch.randn(n, cache.kv_lora_rank, device=device, dtype=torch.bfloat16),
-                                       torch.randn(n, cache.rope_dim, device=device, dtype=torch.bfloat16), part,
-                                       cache.kv_scale)
-
-
 def bench_mla(model, args, batch, fmt, device) -> Row:
     import mla_inductor.lowering
     from mla_inductor import hf
+    from mla_inductor.testing import fill_paged_mla_cache
 
     config = model.config
     row = Row(f"mla-{fmt}", batch, fmt, kv_bytes_per_token(config, fmt), config.num_hidden_layers,
               note="paged, compiled" + (", CUDA graphs" if device.type == "cuda" else ""))
     before = set(mla_inductor.lowering.decisions())
-    cache = hf.allocate_cache(model, batch_size=batch, max_seq_len=args.context + 1, fmt=fmt, page_size=args.page_size)
-    hf.patch_deepseek(model, cache)
-    fill_random(cache, args.context)
-    slots = cache.reserve(1)  # rewritten every timed step: lengths stay at context + 1
+    model.set_attn_implementation(hf.register())
+    cache = hf.PagedMLACache(model, batch_size=batch, max_seq_len=args.context + 1, fmt=fmt, page_size=args.page_size)
+    fill_paged_mla_cache(cache, args.context)
     tokens = torch.randint(1, config.vocab_size, (batch,), device=device)
     mode = "reduce-overhead" if device.type == "cuda" and args.cudagraphs else None
     if device.type == "cuda" and not args.cudagraphs:
         row.note = "paged, compiled, no CUDA graphs"
     step = torch.compile(hf.decode_one_token, fullgraph=True, mode=mode)
 
-    def attention_only(model, hidden, slots):
-        positions = cache.seq_lens[:, None] - 1
-        freqs = positions[..., None].float() * model.model.rotary_emb.inv_freq.float()
-        scale = model.model.rotary_emb.attention_scaling
-        rope = (freqs.cos() * scale, freqs.sin() * scale)
+    def decode():
+        step(model, tokens, cache)
+        cache.crop(-1)  # back to the fixed context: the next step rewrites the same slot
+
+    def attention_only(hidden, rope):
         for layer in model.model.layers:
-            out, _ = layer.self_attn(hidden, mla_slot_mapping=slots, mla_rope=rope)
+            out, _ = layer.self_attn(hidden_states=hidden, position_embeddings=rope, attention_mask=None,
+                                     past_key_values=cache)
         return out
 
     attention = torch.compile(attention_only, fullgraph=True, mode=mode)
     hidden = torch.randn(batch, 1, config.hidden_size, device=device, dtype=model.lm_head.weight.dtype)
+    positions = torch.full((batch, 1), args.context, device=device, dtype=torch.long)
     with torch.no_grad():
-        row.ms_step = time_ms(lambda: step(model, tokens, slots), device, args.warmup, args.iters)
-        row.ms_attention = time_ms(lambda: attention(model, hidden, slots), device, args.warmup, args.iters)
+        rope = model.model.rotary_emb(hidden, positions)
+        row.ms_step = time_ms(decode, device, args.warmup, args.iters)
+        row.ms_attention = time_ms(lambda: (attention(hidden, rope), cache.crop(-1)), device, args.warmup, args.iters)
     row.backends = sorted({f"{d.backend}" for d in mla_inductor.lowering.decisions() if d not in before
                            and d.problem.cache_format == fmt})
     return row

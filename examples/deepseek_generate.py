@@ -1,22 +1,35 @@
-"""Greedy generation with a Hugging Face DeepSeek-V3 decoding through ``torch.ops.mla.paged_decode``.
+"""``model.generate()`` of a Hugging Face DeepSeek-V3 on ``torch.ops.mla.paged_decode``: same tokens, faster.
 
     python examples/deepseek_generate.py [--device cuda] [--fmt bf16|fp8_e4m3|fp8_ds_mla] [--steps 32]
 
-Builds a small random-weight ``DeepseekV3ForCausalLM`` from a config (no hub access; needs
-``pip install 'transformers>=5'``), patches it onto a paged latent cache, compiles the decode step
-(``torch.compile(decode_one_token, fullgraph=True)``, CUDA graphs on GPU) and generates for a
-left-padded batch. Prints tokens/s and the kernel the Inductor pass chose. CPU fp32 by default, CUDA bf16
-when asked (``--device cuda``). On GPU the real attention dims (kv_lora_rank 512, rope 64) are used so
-every cache format, ``fp8_ds_mla`` included, works.
+Builds a small random-weight ``DeepseekV3ForCausalLM`` (no hub access; ``pip install 'mla-inductor[hf]'``)
+and generates greedily for a left-padded batch three ways:
+
+- HF eager:    transformers' sdpa attention and its DynamicCache, no compile;
+- HF compiled: transformers' own recipe, a static cache with generate() compiling the decode step
+               (on CPU only with ``--hf-compile``: its compile takes a while there);
+- ours:        ``model.set_attn_implementation("mla_inductor")`` and a ``PagedMLACache`` passed as
+               ``past_key_values``; generate() compiles the decode step (by itself on GPU) and the
+               Inductor pass rewrites each ``mla.paged_decode`` into the kernel it picks for the device.
+
+It checks that HF's attention and ours give the same tokens, prints tokens/s of each and the kernel the
+pass chose. CPU fp32 by default, CUDA bf16 when a GPU is present; on GPU the attention has DeepSeek-V3's
+real dims (kv_lora_rank 512, rope 64) so every cache format, fp8_ds_mla included, works, and layer 1 is
+a MoE layer (on CPU both layers are dense, to keep the compile short). At this size on CPU every
+variant is bound by per-operator overhead: the speed-up is a GPU matter (benchmarks/bench_generate.py).
 """
 
 import argparse
+import sys
 import time
 
 import torch
+from transformers import CompileConfig
+from transformers.generation import BaseStreamer
 
 import mla_inductor.lowering  # registers torch.ops.mla.* and the Inductor pass
 from mla_inductor import hf
+from mla_inductor.testing import random_deepseek_model
 
 # A few layers of DeepSeek-V3's shape, shrunk: layer 0 dense, layer 1 MoE, like the real model's first_k_dense.
 SMALL_V3 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,
@@ -29,71 +42,122 @@ SMALL_V3 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_int
 REAL_ATTENTION_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 
 
+class Progress(BaseStreamer):
+    """Prints a dot per generated token: the first one waits for the decode step's compilation."""
+
+    def __init__(self):
+        self.first = True
+
+    def put(self, value):
+        if self.first:  # generate() hands the prompt first
+            self.first = False
+            return
+        print(".", end="", flush=True)
+
+    def end(self):
+        print(flush=True)
+
+
 def left_padded_batch(batch, length, vocab, device):
     """Prompts [batch, length] of decreasing real length, left-padded with 0, and their 0/1 mask."""
-    ids = torch.randint(1, vocab, (batch, length), device=device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
     mask = torch.ones_like(ids)
     for b in range(batch):
         mask[b, : (b * length) // (2 * batch)] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+    return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
 
 
-def decode_n_tokens(model, cache, step, token, n):
-    """n greedy decode steps from token [B]; returns the new tokens [B, n]."""
-    out = []
-    for _ in range(n):
-        token = step(model, token, cache.reserve(1)).argmax(-1)
-        out.append(token)
-    return torch.stack(out, 1)
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(name, model, prompt, mask, steps, device, **kwargs):
+    """Warm up (compiles where the variant compiles), then time one generate(); returns (tokens, tokens/s)."""
+    print(f"[{name}] warm-up", end=" ", flush=True)
+    t0 = time.perf_counter()
+    model.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=steps, pad_token_id=0,
+                   streamer=Progress(), **kwargs)
+    print(f"[{name}] warm-up took {time.perf_counter() - t0:.1f} s", flush=True)
+    if "past_key_values" in kwargs:
+        kwargs["past_key_values"].reset()
+    sync(device)
+    t0 = time.perf_counter()
+    tokens = model.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=steps, pad_token_id=0,
+                            **kwargs)
+    sync(device)
+    return tokens, prompt.shape[0] * steps / (time.perf_counter() - t0)
+
+
+def compile_config(device):
+    """generate() compiles its decode step by itself on GPU; on CPU only when asked (HF's switch for that)."""
+    config = CompileConfig(mode="reduce-overhead" if device == "cuda" else "default")
+    config._compile_all_devices = True
+    return config
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--fmt", default=None, help="cache format: fp32/bf16/fp8_e4m3/fp8_ds_mla (default: model dtype)")
+    p.add_argument("--fmt", default=None, help="our cache format: fp32/bf16/fp8_e4m3/fp8_ds_mla (default: model dtype)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time HF's own compiled generate (default: on GPU only)")
     args = p.parse_args()
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = dict(SMALL_V3, **REAL_ATTENTION_DIMS) if cuda else SMALL_V3
+    config = dict(SMALL_V3, **REAL_ATTENTION_DIMS) if cuda else dict(SMALL_V3, first_k_dense_replace=2)
+    hf_compile = cuda if args.hf_compile is None else args.hf_compile
 
-    model = hf.build_random_deepseek("v3", dtype=dtype, device=args.device, seed=0, **config)
-    cache = hf.allocate_cache(model, batch_size=args.batch, max_seq_len=args.prompt_len + args.steps + 1,
-                              fmt=args.fmt, page_size=64 if cuda else 16)
-    hf.patch_deepseek(model, cache)
-    # gpt-fast style: only the per-token step is compiled; reserve() (host-side page allocation) stays outside.
-    step = torch.compile(hf.decode_one_token, fullgraph=True, mode="reduce-overhead" if cuda else None)
+    model = random_deepseek_model("v3", dtype=dtype, device=args.device, seed=0, attn_implementation="sdpa", **config)
+    model.generation_config.eos_token_id = None  # random weights: generate exactly --steps tokens
     prompt, mask = left_padded_batch(args.batch, args.prompt_len, config["vocab_size"], args.device)
-
-    with torch.no_grad():
-        token = hf.prefill(model, prompt, mask).argmax(-1)
-        t0 = time.perf_counter()
-        decode_n_tokens(model, cache, step, token, 2)  # compile + warm up (CUDA graph capture)
-        compile_s = time.perf_counter() - t0
-        cache.reset()
-        token = hf.prefill(model, prompt, mask).argmax(-1)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        generated = decode_n_tokens(model, cache, step, token, args.steps)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-
     print(f"DeepSeek-V3 (random weights, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
-          f"L={config['kv_lora_rank']}, R={config['qk_rope_head_dim']}) on {args.device}, {cache.format} cache, "
-          f"batch {args.batch}: {args.steps * args.batch / elapsed:.1f} tokens/s "
-          f"({1e3 * elapsed / args.steps:.2f} ms/step; compile + warm-up {compile_s:.1f} s)")
-    heads, L, R = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
-    q_nope = torch.empty(args.batch, heads, L, dtype=dtype, device=args.device)
-    q_pe = torch.empty(args.batch, heads, R, dtype=dtype, device=args.device)
-    chosen = mla_inductor.backend_for_call(q_nope, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens,
-                                           1.0, cache.kv_scale)
-    print(f"mla.paged_decode on {cache.format} cache, {heads} heads -> {chosen.backend}")
-    print("tokens of sequence 0:", torch.cat([token[:1, None], generated[:1]], 1)[0].tolist())
+          f"L={config['kv_lora_rank']}, R={config['qk_rope_head_dim']}, {dtype}) on {args.device}, batch "
+          f"{args.batch} left-padded, {args.steps} new tokens each")
 
+    rates = {}
+    with torch.no_grad():
+        want, rates["HF eager (sdpa, DynamicCache)"] = timed_generate("HF eager", model, prompt, mask, args.steps,
+                                                                      args.device)
+        if hf_compile:
+            _, rates["HF compiled (static cache)"] = timed_generate(
+                "HF compiled", model, prompt, mask, args.steps, args.device, cache_implementation="static",
+                compile_config=compile_config(args.device))
+        model.set_attn_implementation(hf.register())
+        cache = hf.PagedMLACache(model, batch_size=args.batch, max_seq_len=args.prompt_len + args.steps,
+                                 fmt=args.fmt, page_size=64 if cuda else 16)
+        before = set(mla_inductor.lowering.decisions())
+        got, rates[f"ours (mla_inductor, {cache.format} paged cache)"] = timed_generate(
+            "ours", model, prompt, mask, args.steps, args.device, past_key_values=cache,
+            compile_config=compile_config(args.device))
+
+    for name, rate in rates.items():
+        print(f"{name:<44} {rate:9.1f} tokens/s")
+    if not hf_compile:
+        print(f"{'HF compiled (static cache)':<44} skipped on CPU (pass --hf-compile)")
+    print(f"greedy tokens, HF's attention vs ours: {(got == want).float().mean().item():.1%} identical")
+    print(f"mla.paged_decode ({cache.format} cache, {config['num_attention_heads']} heads) -> {chosen_kernel(before, cache)}")
+    print("tokens of sequence 0:", got[0, args.prompt_len:].tolist())
+    if not cuda and cache.format == "fp32" and not torch.equal(got, want):
+        sys.exit("HF's attention and ours disagree on CPU in fp32")  # on GPU, bf16/fp8 rounding may split near-ties
+
+
+def chosen_kernel(before, cache) -> str:
+    """The pass's record of what it chose for our decode step; when Inductor served the graph from its cache
+    (the pass did not run), the same question asked of the selection table."""
+    new = sorted({d.backend for d in mla_inductor.lowering.decisions() if d not in before})
+    if new:
+        return ", ".join(new)
+    H, L, R = 1, cache.kv_lora_rank, cache.rope_dim
+    q = torch.empty(cache.batch_size, H, L + R, dtype=torch.bfloat16 if cache.format != "fp32" else torch.float32,
+                    device=cache.seq_lens.device)
+    chosen = mla_inductor.backend_for_call(q[..., :L], q[..., L:], cache.kv_caches[0], cache.block_table,
+                                           cache.seq_lens, 1.0, cache.kv_scale)
+    return f"{chosen.backend} (graph from Inductor's cache; the selection table's answer)"
 
 if __name__ == "__main__":
     main()

@@ -101,3 +101,61 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     diff = (a[finite] - e[finite]).norm()
     return float(diff / e[finite].norm().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Random-weight Hugging Face models and filled caches (tests, examples, benchmarks; no hub access)
+
+
+def random_mla_model(
+    model_type: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    **config_overrides,
+):
+    """A randomly initialised ``*ForCausalLM`` of transformers' ``model_type`` (e.g. "deepseek_v3") from its
+    config class's defaults plus ``config_overrides``, in eval mode. The defaults are the real model's
+    sizes: override them for anything small."""
+    from mla_inductor.hf import _require_transformers
+
+    transformers = _require_transformers()
+    from mla_inductor import hf
+
+    config = transformers.AutoConfig.for_model(model_type, **config_overrides)
+    config._attn_implementation = attn_implementation
+    support = hf.SUPPORTED_MODEL_TYPES.get(model_type)
+    # Not every supported type is in AutoModelForCausalLM's table (mistral4): the table names the class.
+    model_class = getattr(transformers, support.causal_lm) if support else transformers.AutoModelForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_class(config) if support else model_class.from_config(config)
+    return model.to(dtype).eval()
+
+
+def random_deepseek_model(version: str = "v3", **kwargs):
+    """A random ``DeepseekV{2,3}ForCausalLM`` (``version`` "v2" or "v3"); see ``random_mla_model``."""
+    model_types = {"v2": "deepseek_v2", "v3": "deepseek_v3"}
+    if version not in model_types:
+        raise ValueError(f"version must be 'v2' or 'v3', got {version!r}")
+    return random_mla_model(model_types[version], **kwargs)
+
+
+def fill_paged_mla_cache(cache, num_tokens: int, seed: int = 0) -> None:
+    """Give every sequence of a ``mla_inductor.hf.PagedMLACache`` ``num_tokens`` tokens of random latents
+    (unit RMS, like the normalised latent) and rope keys in every layer, without running the model: a
+    long context for benchmarks in seconds."""
+    device = cache.seq_lens.device
+    B = cache.batch_size
+    g = torch.Generator(device=device).manual_seed(seed)
+    positions = torch.arange(num_tokens, device=device).expand(B, num_tokens)
+    slots = cache.slot_mapping(positions)
+    for kv in cache.kv_caches:
+        for part in slots.split(1 << 16):
+            n = part.shape[0]
+            kv_c = torch.randn(n, cache.kv_lora_rank, device=device, generator=g, dtype=torch.bfloat16)
+            k_pe = torch.randn(n, cache.rope_dim, device=device, generator=g, dtype=torch.bfloat16)
+            torch.ops.mla.cache_append(kv, kv_c, k_pe, part, cache.kv_scale)
+    cache.set_length(num_tokens)

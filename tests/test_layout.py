@@ -206,6 +206,8 @@ def test_runtime_never_imports_the_pass_benchmarks_or_test_helpers():
                 continue
             if rel == "mla_inductor/testing.py":
                 continue
+            if rel == "mla_inductor/hf.py" and name in ("mla_inductor.testing", "mla_inductor.testing.random_deepseek_model"):
+                continue  # the deprecated hf.build_random_deepseek forwards to its new home when called, nothing else
             assert not name.startswith(("mla_inductor.lowering", "benchmarks", "lowering")), (rel, name)
             assert not name.startswith("mla_inductor.testing"), (rel, name)
             assert name != "mla_inductor.hf.build_random_deepseek", (rel, name)
@@ -258,7 +260,7 @@ def test_product_text_speaks_of_the_product():
 
 # ----------------------------------------------------------------------------- benchmarks anyone can run
 
-BENCHMARKS = ("bench_kernels.py", "bench_pass.py", "bench_e2e.py")
+BENCHMARKS = ("bench_kernels.py", "bench_pass.py", "bench_e2e.py", "bench_generate.py")
 
 
 def test_benchmarks_read_no_environment_and_edit_no_import_path():

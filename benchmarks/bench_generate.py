@@ -1,0 +1,400 @@
+"""``model.generate()`` on a DeepSeek-V3-shaped HF model: our attention vs our own compiled loop vs HF's default.
+
+    python benchmarks/bench_generate.py [--out DIR] [--layers 4] [--batch 64] [--context 4096] [--steps 32]
+    python benchmarks/bench_generate.py --small --device cpu     # a smoke run of the script itself
+
+The model is bench_e2e.py's: DeepSeek-V3's attention at real dims (H=128 heads, kv_lora_rank 512, rope 64,
+nope 128, v 128, hidden 7168, q_lora_rank 1536), ``--layers`` layers with a dense MLP (``--intermediate``),
+a ``--vocab`` vocabulary, random bf16 weights (no hub access).
+
+Decode rows: every sequence of the batch starts from ``--context`` tokens of random latents.
+
+- ``generate-mla``: ``model.generate()`` with the ``"mla_inductor"`` attention and a ``PagedMLACache``
+  (``--fmt``); transformers compiles the decode step itself (the cache is compileable: ``mode=
+  "reduce-overhead"``, CUDA graphs) and the Inductor pass picks the kernel.
+- ``loop-mla``: our own loop on the same model and cache: ``torch.compile(hf.decode_one_token,
+  fullgraph=True, mode="reduce-overhead")``, argmax, next step. What generate() costs on top is HF's loop.
+- ``generate-hf``: ``model.generate()`` as transformers does by default: sdpa attention and a DynamicCache
+  holding the same context (latents, expanded through kv_b_proj at every step); not compiled.
+
+A decode step's time is the difference between a run of ``2 + --steps`` and a run of 2 steps, divided by
+``--steps`` (the first forward of a generate() call feeds the one new prompt token uncompiled, and cancels
+with everything else per call); best of ``--repeats``. Its HBM floor is the bytes a step must read (every
+weight once, the batch's embedding rows, each layer's whole KV cache) at the device-to-device copy
+bandwidth measured in the same run (read + write bytes of a 2 GiB copy per second).
+
+Prefill rows: one forward of a ``--prefill-len``-token prompt (batch ``--prefill-batch``): ours
+(``prefill-mla``: HF's sdpa on keys/values expanded from the prompt's own latents, the latents written
+into a fresh paged cache) against HF's sdpa with a DynamicCache (``prefill-hf``); median of ``--repeats``.
+
+Prints progress and a markdown table; ``--out DIR`` writes bench_generate.md and .json. A row that fails
+prints its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from report import add_out_argument, environment, environment_line, markdown_table, progress, write_results
+
+from mla_inductor.cache import token_width
+
+REAL_V3_ATTENTION = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+SMALL_ATTENTION = dict(hidden_size=128, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=64,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+            mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+TARGETS = {"generate-mla / loop-mla": 0.8, "generate-mla / generate-hf": 20.0, "prefill-hf / prefill-mla": 1.0}
+
+
+@dataclass
+class Row:
+    name: str
+    what: str
+    batch: int
+    ms: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    floor_ms: Optional[float] = None
+    kernel: str = ""
+    error: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_s(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth_gbs(device) -> float:
+    """Device-to-device copy bandwidth: (read + write bytes) / s of a 2 GiB copy (256 MiB on CPU)."""
+    size = (2 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = min(wall_s(lambda: [dst.copy_(src) for _ in range(5)], device) for _ in range(3)) / 5
+    del src, dst
+    return 2 * size / seconds / 1e9
+
+
+def build_model(args, device):
+    from mla_inductor.testing import random_deepseek_model
+
+    attention = SMALL_ATTENTION if args.small else REAL_V3_ATTENTION
+    model = random_deepseek_model(
+        "v3", dtype=torch.bfloat16, device=device, seed=0, attn_implementation="sdpa",
+        num_hidden_layers=args.layers, first_k_dense_replace=args.layers, intermediate_size=args.intermediate,
+        vocab_size=args.vocab, max_position_embeddings=163840, rope_parameters=YARN, pad_token_id=0, **attention,
+    )
+    model.generation_config.eos_token_id = None  # random weights: every call makes exactly max_new_tokens
+    return model
+
+
+def step_bytes(model, batch: int, context: int, kv_bytes_per_token: int) -> int:
+    """What one decode step must read: every weight once (the embedding only for the batch's rows) and
+    every layer's cache of context + 1 tokens."""
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if not name.endswith("embed_tokens.weight"))
+    embed = model.get_input_embeddings().weight
+    config = model.config
+    kv = config.num_hidden_layers * batch * (context + 1) * kv_bytes_per_token
+    return weights + batch * embed.shape[1] * embed.element_size() + kv
+
+
+def kv_bytes_per_token(config, fmt: str) -> int:
+    width = token_width(fmt, config.kv_lora_rank, config.qk_rope_head_dim)
+    return width * {"fp32": 4, "fp16": 2, "bf16": 2}.get(fmt, 1)
+
+
+def random_ids(batch: int, length: int, vocab: int, device) -> torch.Tensor:
+    return torch.randint(1, vocab, (batch, length), device=device)  # no pad id: nothing looks like padding
+
+
+def decode_ms(run_steps, steps: int, repeats: int, device, warmup_steps: int = 4) -> float:
+    """ms per decode step from runs of 2 and 2 + steps steps (what is paid once per run cancels)."""
+    for _ in range(2):
+        wall_s(lambda: run_steps(warmup_steps), device)  # compile, CUDA-graph warm-up and capture
+    short = min(wall_s(lambda: run_steps(2), device) for _ in range(repeats))
+    long = min(wall_s(lambda: run_steps(2 + steps), device) for _ in range(repeats))
+    return 1e3 * max(long - short, 0.0) / steps
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+
+
+def bench_generate_mla(model, cache, args, device) -> Row:
+    import mla_inductor.lowering
+    from mla_inductor import hf
+
+    row = Row("generate-mla", f"model.generate(), mla_inductor attention, {cache.format} PagedMLACache", args.batch)
+    model.set_attn_implementation(hf.register())
+    ids = random_ids(args.batch, args.context + 1, model.config.vocab_size, device)
+    before = set(mla_inductor.lowering.decisions())
+
+    def run(n):
+        cache.set_length(args.context)
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    row.ms = decode_ms(run, args.steps, args.repeats, device)
+    new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
+    row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
+    return row
+
+
+def selected_kernel(model, cache) -> str:
+    """What the selection table gives this cache's decode call (the pass asks the same question; it does not
+    run when Inductor serves the graph from its cache)."""
+    import mla_inductor
+
+    config = model.config
+    T, H, L, R = cache.batch_size, config.num_attention_heads, cache.kv_lora_rank, cache.rope_dim
+    q = torch.empty(T, H, L + R, dtype=torch.bfloat16, device=cache.seq_lens.device)
+    chosen = mla_inductor.backend_for_call(q[..., :L], q[..., L:], cache.kv_caches[0], cache.block_table,
+                                           cache.seq_lens, 1.0, cache.kv_scale)
+    return f"{chosen.backend} (selection table)"
+
+
+def bench_loop_mla(model, cache, args, device) -> Row:
+    from mla_inductor import hf
+
+    row = Row("loop-mla", f"torch.compile(hf.decode_one_token), {cache.format} PagedMLACache", args.batch)
+    model.set_attn_implementation(hf.register())
+    cuda = device.type == "cuda"
+    step = torch.compile(hf.decode_one_token, fullgraph=True, mode="reduce-overhead") if cuda else hf.decode_one_token
+    first = random_ids(args.batch, 1, model.config.vocab_size, device)[:, 0]
+
+    def run(n):
+        cache.set_length(args.context)
+        token = first
+        for _ in range(n):
+            token = step(model, token, cache).argmax(-1)
+
+    with torch.no_grad():
+        row.ms = decode_ms(run, args.steps, args.repeats, device)
+    row.kernel = selected_kernel(model, cache)
+    return row
+
+
+def bench_generate_hf(model, args, device) -> Row:
+    from transformers import DynamicCache
+
+    row = Row("generate-hf", "model.generate(), sdpa attention, DynamicCache (HF's default)", args.batch)
+    model.set_attn_implementation("sdpa")
+    config = model.config
+    kv_cache = DynamicCache(config=config)
+    with torch.no_grad():
+        for layer in range(config.num_hidden_layers):
+            kv_cache.update(torch.randn(args.batch, 1, args.context, config.kv_lora_rank, device=device,
+                                        dtype=torch.bfloat16),
+                            torch.randn(args.batch, 1, args.context, config.qk_rope_head_dim, device=device,
+                                        dtype=torch.bfloat16), layer)
+    ids = random_ids(args.batch, args.context + 1, config.vocab_size, device)
+
+    def run(n):
+        extra = kv_cache.get_seq_length() - args.context
+        if extra:
+            kv_cache.crop(-extra)
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kv_cache, max_new_tokens=n,
+                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    row.ms = decode_ms(run, args.hf_steps, args.repeats, device, warmup_steps=2)
+    row.kernel = "HF sdpa on expanded K/V"
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+
+
+def bench_prefill(model, args, device, ours: bool) -> Row:
+    from transformers import DynamicCache
+
+    from mla_inductor import hf
+
+    name = "prefill-mla" if ours else "prefill-hf"
+    what = ("mla_inductor attention: sdpa on the prompt's expanded latents, latents into a PagedMLACache" if ours
+            else "sdpa attention, DynamicCache")
+    row = Row(name, f"{what}, {args.prefill_len}-token prompt", args.prefill_batch)
+    model.set_attn_implementation(hf.register() if ours else "sdpa")
+    ids = random_ids(args.prefill_batch, args.prefill_len, model.config.vocab_size, device)
+    cache = (hf.PagedMLACache(model, batch_size=args.prefill_batch, max_seq_len=args.prefill_len, fmt=args.fmt)
+             if ours else None)
+
+    def forward():
+        if ours:
+            cache.reset()
+        past = cache if ours else DynamicCache(config=model.config)
+        model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+
+    with torch.no_grad():
+        for _ in range(2):
+            wall_s(forward, device)
+        times = [wall_s(forward, device) for _ in range(max(args.repeats, 3))]
+    row.ms = 1e3 * statistics.median(times)
+    row.tokens_per_s = args.prefill_batch * args.prefill_len / (row.ms / 1e3)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def run_row(fn, *args) -> Row:
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - report and go on with the next row
+        traceback.print_exc()
+        message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return Row(fn.__name__.removeprefix("bench_").replace("_", "-"), "", 0, error=message)
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def ratios(rows: dict[str, Row]) -> dict[str, Optional[float]]:
+    def rate(name):
+        row = rows.get(name)
+        return None if row is None or row.error or not row.ms else 1.0 / row.ms
+
+    out = {}
+    for key in TARGETS:
+        a, b = key.split(" / ")
+        if a.startswith("prefill"):  # time ratio: > 1 means ours is faster
+            ra, rb = rate(b), rate(a)
+        else:
+            ra, rb = rate(a), rate(b)
+        out[key] = ra / rb if ra and rb else None
+    return out
+
+
+def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) -> str:
+    dims = "small smoke-run dims (--small)" if args.small else "DeepSeek-V3 attention dims (H=128, L=512, R=64, hidden 7168)"
+    lines = [
+        f"### model.generate() on a DeepSeek-V3-shaped model: {args.layers} layers, {dims}, dense MLP "
+        f"{args.intermediate}, vocab {args.vocab}",
+        "",
+        environment_line(env),
+        "",
+        f"Decode: batch {args.batch}, context {args.context}, {args.fmt} cache; ms/step from runs of 2 and "
+        f"2 + {args.steps} steps ({args.hf_steps} for generate-hf), best of {args.repeats}. HBM floor: bytes a "
+        f"step must read at the measured copy bandwidth {bandwidth:.0f} GB/s. Prefill: {args.prefill_len}-token "
+        f"prompt, batch {args.prefill_batch}, median.",
+        "",
+    ]
+    table = []
+    for r in rows:
+        table.append({
+            "row": r.name, "what": r.what or "", "batch": r.batch,
+            "ms": None if r.error else r.ms,
+            "tokens/s": None if r.error else r.tokens_per_s,
+            "HBM floor ms": r.floor_ms,
+            "x floor": (r.ms / r.floor_ms) if r.ms and r.floor_ms and not r.error else None,
+            "kernel": r.error or r.kernel,
+        })
+    lines.append(markdown_table(["row", "what", "batch", "ms", "tokens/s", "HBM floor ms", "x floor", "kernel"],
+                                table))
+    lines += ["", "| ratio | measured | target (issue 15) |", "|---|---|---|"]
+    for key, value in derived.items():
+        shown = f"{value:.2f}" if value is not None else "n/a"
+        lines.append(f"| {key} | {shown} | >= {TARGETS[key]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per run (generate-mla, loop-mla)")
+    p.add_argument("--hf-steps", type=int, default=4, help="decode steps timed per run of generate-hf (slow)")
+    p.add_argument("--fmt", default="bf16", help="our cache format: bf16, fp8_e4m3 or fp8_ds_mla")
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--prefill-len", type=int, default=4096)
+    p.add_argument("--prefill-batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", nargs="+", default=["prefill", "generate-mla", "loop-mla", "generate-hf"],
+                   help="which rows to run (prefill = both prefill rows)")
+    p.add_argument("--small", action="store_true", help="tiny model and context: a smoke run (CPU allowed)")
+    add_out_argument(p)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if args.small:
+        args.layers, args.intermediate, args.vocab = 2, 64, 256
+        args.batch, args.context, args.steps, args.hf_steps = min(args.batch, 2), min(args.context, 64), 2, 2
+        args.prefill_len, args.repeats = min(args.prefill_len, 64), 1
+    elif device.type != "cuda" or not torch.cuda.is_available():
+        raise SystemExit("bench_generate.py times decode on a CUDA GPU and needs a CUDA GPU; torch.cuda.is_available() "
+                         f"is {torch.cuda.is_available()} here (torch {torch.__version__}). Nothing was run. "
+                         "(--small --device cpu runs a smoke test of the script.)")
+
+    from mla_inductor import hf
+    from mla_inductor.testing import fill_paged_mla_cache
+
+    env = environment(("transformers", "flashinfer", "flash_mla"))
+    progress(f"bench_generate: {environment_line(env)}")
+    bandwidth = copy_bandwidth_gbs(device)
+    progress(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)")
+    progress(f"building the model ({args.layers} layers)")
+    model = build_model(args, device)
+    floor = {fmt: 1e3 * step_bytes(model, args.batch, args.context, kv_bytes_per_token(model.config, fmt))
+             / (bandwidth * 1e9) for fmt in (args.fmt, "bf16")}
+
+    rows: list[Row] = []
+    with torch.no_grad():
+        if "prefill" in args.rows:
+            for ours in (False, True):
+                progress(f"[prefill-{'mla' if ours else 'hf'}] {args.prefill_len}-token prompt, batch {args.prefill_batch}")
+                rows.append(run_row(bench_prefill, model, args, device, ours))
+        cache = None
+        if {"generate-mla", "loop-mla"} & set(args.rows):
+            progress(f"filling a {args.fmt} PagedMLACache: batch {args.batch}, context {args.context}")
+            model.set_attn_implementation(hf.register())
+            cache = hf.PagedMLACache(model, batch_size=args.batch, max_seq_len=args.context + args.steps + 8,
+                                     fmt=args.fmt)
+            fill_paged_mla_cache(cache, args.context)
+        for name, bench in (("generate-mla", bench_generate_mla), ("loop-mla", bench_loop_mla)):
+            if name in args.rows:
+                progress(f"[{name}] compiling and capturing the decode step, then timing")
+                row = run_row(bench, model, cache, args, device)
+                row.floor_ms = floor[args.fmt]
+                rows.append(row)
+        del cache
+        if "generate-hf" in args.rows:
+            progress("[generate-hf] HF's default decode (expands the whole context every step)")
+            row = run_row(bench_generate_hf, model, args, device)
+            row.floor_ms = floor["bf16"]
+            rows.append(row)
+    for r in rows:
+        if r.ms and r.tokens_per_s is None and not r.error:
+            r.tokens_per_s = r.batch / (r.ms / 1e3)
+        progress(f"[{r.name}] " + (r.error or f"{r.ms:.3f} ms, {r.tokens_per_s:.0f} tokens/s"))
+
+    derived = ratios({r.name: r for r in rows})
+    table = markdown(rows, derived, args, env, bandwidth)
+    print(table)
+    write_results(args.out, "bench_generate", table, {
+        "environment": env, "args": vars(args), "copy_bandwidth_gbs": bandwidth,
+        "rows": [asdict(r) for r in rows], "ratios": derived, "targets": TARGETS,
+    })
+
+
+if __name__ == "__main__":
+    main()
