@@ -25,6 +25,9 @@ A backend answers three questions and does one thing:
 - ``out_only_op()``: None, or an op with ``compiled_op``'s arguments returning only ``out`` (same shape and
   strides). The pass puts it in place of ``mla.paged_decode``, whose lse nobody reads, where leaving the
   lse out saves work (FlashMLA: its lse must be rewritten into the contract's layout by a kernel of its own).
+- ``plans_on_host`` / ``plan_cost``: whether the plan runs on the host (a scheduler on the CPU, outside
+  any CUDA graph) and a phrase saying what it costs; selection moves such a backend behind one planning on
+  the device where a compiled graph has no other call to share the plan with (``selection.CallContext``).
 - ``decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)``:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
 - ``append_supports(device_type, capability)`` / ``append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)``:
@@ -68,6 +71,8 @@ class Backend:
     name: str = ""
     libraries: tuple[str, ...] = ()  # importable packages whose versions decide what the backend runs
     plan_is_optional: bool = False
+    plans_on_host: bool = False  # the plan runs on the CPU, outside CUDA graphs (see selection.CallContext)
+    plan_cost: str = "no plan"
 
     def unavailable_reason(self) -> Optional[str]:
         return None

@@ -313,6 +313,9 @@ class FlashInferWrapperBackend(Backend):
     """
 
     libraries = ("flashinfer",)
+    plans_on_host = True
+    plan_cost = ("a host plan per graph (FlashInfer's scheduler on the CPU; it runs outside CUDA graphs, and "
+                 "copies the lengths from the device where no host copy is registered)")
 
     def __init__(self, name: str, fi_backend: str, capability_reason):
         self.name = name
