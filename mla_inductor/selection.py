@@ -110,6 +110,12 @@ TABLE: tuple[Row, ...] = (
 )
 
 
+def batch_limits() -> tuple[int, ...]:
+    """The batch sizes at which the table's choice may change (its rows' ``max_batch``), ascending: a compiled
+    graph with a symbolic batch is selected for the size class its traced batch falls in."""
+    return tuple(sorted({row.max_batch for row in TABLE if row.max_batch is not None}))
+
+
 def device_class(device_type: str, capability: Optional[tuple[int, int]]) -> str:
     """'cpu', 'sm80' (Ampere and Ada), 'sm90', 'sm100' (SM100/SM103), 'sm120' or 'cuda' (anything else)."""
     if device_type != "cuda" or capability is None:

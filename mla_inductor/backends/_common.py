@@ -200,6 +200,9 @@ class PlanCache:
 
     Not seen: writes that bypass torch's version counter (a CUDA-graph replay writing seq_lens, a foreign
     kernel); code writing lengths that way calls ``forget_plans()`` after each write.
+
+    A plan *op* must hand out copies of the stored tensors, never the stored ones: Inductor may reuse the
+    memory of an op's output for another buffer once the output's last reader has run.
     ``hits`` / ``misses`` count lookups (tests and benchmarks read them).
     """
 

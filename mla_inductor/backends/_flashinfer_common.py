@@ -287,15 +287,16 @@ def _wrapper_plan_fake(q_nope, *args):
 
 
 def _define_wrapper_ops(fi_backend: str):
-    """``mla_flashinfer::plan_<b>`` (host sync, run outside CUDA graphs) and ``run_<b>`` of one wrapper backend."""
+    """``mla_flashinfer::plan_<b>`` (host work, run outside CUDA graphs) and ``run_<b>`` of one wrapper backend."""
 
     def plan(*args) -> list[Tensor]:
-        return wrapper_plan(fi_backend, *args)
+        # A copy: Inductor may reuse an op's output memory after its last reader, and PLANS keeps the original.
+        return [counts.clone() for counts in wrapper_plan(fi_backend, *args)]
 
     def run(*args) -> tuple[Tensor, Tensor]:
         return wrapper_run(fi_backend, *args)
 
-    plan.__doc__ = (f"Plan FlashInfer's {fi_backend} MLA wrapper for this batch (host sync): returns "
+    plan.__doc__ = (f"Plan FlashInfer's {fi_backend} MLA wrapper for this batch (on the host): returns "
                     f"[row_counts int32 [T]] (keys each query row sees).")
     run.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
                    f"(out [T, H, L], lse [T, H] fp32, natural log).")
