@@ -190,10 +190,14 @@ def _plans_on_host(name: str) -> bool:
     return getattr(backends.get_backend(name), "plans_on_host", False)
 
 
+def _last_resort(name: str) -> bool:
+    return getattr(backends.get_backend(name), "last_resort", False)
+
+
 def _amortize_host_plans(ranked: list[tuple[str, Optional[str]]], context: CallContext):
     """Where the graph has fewer than HOST_PLAN_MIN_CALLS calls to share a plan, each usable backend that plans
-    on the host goes right behind the first usable one after it that plans on the device or needs none (the
-    reference excepted). In its old place it leaves a note saying why, which ``select_backend`` reports like
+    on the host goes right behind the first usable one after it that plans on the device or needs none (a
+    ``last_resort`` backend excepted: the reference is never the faster one on a GPU). In its old place it leaves a note saying why, which ``select_backend`` reports like
     a refusal."""
     if context.calls_sharing_plan >= HOST_PLAN_MIN_CALLS:
         return ranked
@@ -204,7 +208,7 @@ def _amortize_host_plans(ranked: list[tuple[str, Optional[str]]], context: CallC
         name, why = result[i]
         if why is None and name not in moved and _plans_on_host(name):
             after = next((j for j in range(i + 1, len(result)) if result[j][1] is None
-                          and result[j][0] != "reference" and not _plans_on_host(result[j][0])), None)
+                          and not _last_resort(result[j][0]) and not _plans_on_host(result[j][0])), None)
             if after is not None:
                 result[i] = (name, _host_plan_note(name, result[after][0], context))
                 result.insert(after + 1, (name, None))
@@ -253,9 +257,18 @@ def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     return select_backend(problem, backends.device_capability(q_nope.device))
 
 
+_EAGER_CHOICES: dict[tuple, Backend] = {}
+
+
 def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
-    """The backend an eager call runs on (the same choice as the compiler's)."""
-    return backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
+    """The backend an eager call runs on (the same choice as the compiler's), chosen once per problem,
+    device, user preference and set of registered backends."""
+    key = (problem, device, user_preference(), backends.registry_generation())
+    backend = _EAGER_CHOICES.get(key)
+    if backend is None:
+        backend = backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
+        _EAGER_CHOICES[key] = backend
+    return backend
 
 
 # Who writes new tokens into a cache (``mla.cache_append``): the first that is available and can write

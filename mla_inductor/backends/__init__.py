@@ -63,6 +63,7 @@ _REGISTRY: dict[str, Union[str, "Backend"]] = {
     "flashmla": "mla_inductor.backends.flashmla",
 }
 _LOADED: dict[str, "Backend"] = {}
+_GENERATION = [0]  # bumped by every (un)registration: choices cached per registry state see the change
 
 
 class Backend:
@@ -73,6 +74,7 @@ class Backend:
     plan_is_optional: bool = False
     plans_on_host: bool = False  # the plan runs on the CPU, outside CUDA graphs (see selection.CallContext)
     plan_cost: str = "no plan"
+    last_resort: bool = False  # the catch-all that closes every table row, never preferred for its cost
 
     def unavailable_reason(self) -> Optional[str]:
         return None
@@ -109,12 +111,19 @@ def register_backend(name: str, backend: Union[str, Backend]) -> None:
         raise TypeError(f"register_backend needs a Backend or a module path, got {type(backend).__name__}")
     _REGISTRY[name] = backend
     _LOADED.pop(name, None)
+    _GENERATION[0] += 1
 
 
 def unregister_backend(name: str) -> None:
     """Forget a backend added with ``register_backend`` (built-in ones included)."""
     _REGISTRY.pop(name, None)
     _LOADED.pop(name, None)
+    _GENERATION[0] += 1
+
+
+def registry_generation() -> int:
+    """A number that changes whenever a backend is registered or unregistered."""
+    return _GENERATION[0]
 
 
 def registered_backends() -> tuple[str, ...]:

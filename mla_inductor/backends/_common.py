@@ -47,9 +47,12 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     ``impl(*args)`` computes it; ``returns``: "out_lse" (``(out [T, H, L], lse [T, H] fp32)``), "out" or
     "tensors" (a plan, or ``[out, lse, *plan]``); ``fake(*args)``: the outputs' shapes (default: the
     contract's, from ``empty_decode_outputs``; required for "tensors"). ``host_plan``: the op plans on the
-    host with a device sync: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside) and
-    registered with the low-level Library API, without custom_op's Python layers (autograd wrapper,
-    output checks), which were a measurable share of a host plan run every decode step.
+    host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside).
+
+    Registered with the low-level Library API: the dispatcher calls ``impl`` directly, without the Python
+    layers of ``torch.library.custom_op`` (autograd wrapper, output checks), which cost several times the
+    dispatch itself on every call (these ops run once per layer and step, eagerly or from compiled code).
+    No autograd formula: inference only.
     """
     namespace, name = qualname.split("::")
     plan_arg = ", Tensor[] plan" if takes_plan else "=None"  # ops without a plan may omit sparse_indices
@@ -61,13 +64,10 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
         return impl(*args, *([None] * (arity - len(args))))
 
     full.__doc__ = impl.__doc__
-    if host_plan:
-        lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-        lib.define(name + schema, tags=CUDAGRAPH_UNSAFE_TAGS)
-        lib.impl(name, full, "CompositeExplicitAutograd")
-        torch.library.register_fake(qualname, fake, lib=lib)
-    else:
-        torch.library.custom_op(qualname, full, mutates_args=(), schema=schema).register_fake(fake)
+    lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *(CUDAGRAPH_UNSAFE_TAGS if host_plan else ())))
+    lib.impl(name, full, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualname, fake, lib=lib)
     return getattr(getattr(torch.ops, namespace), name).default
 
 
