@@ -16,6 +16,7 @@ from mla_inductor.cache import (
     register_host_lengths,
     unpack_fp8_ds_mla,
 )
+from mla_inductor.backends import forget_plans
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
@@ -39,6 +40,7 @@ __all__ = [
     "PagedLatentCache",
     "cache_append",
     "cache_format",
+    "forget_plans",
     "fp8_scale_for",
     "pack_fp8_ds_mla",
     "paged_decode",

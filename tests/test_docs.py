@@ -53,4 +53,4 @@ def test_readme_installs_torch_before_the_package_and_names_the_supported_range(
 def test_readme_benchmark_commands_exist():
     block = re.search(r"On a GPU machine:\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     scripts = [line.split()[1] for line in block.splitlines() if line.startswith("python benchmarks/")]
-    assert len(scripts) == 3 and all((ROOT / s).is_file() for s in scripts), scripts
+    assert len(scripts) == 4 and all((ROOT / s).is_file() for s in scripts), scripts

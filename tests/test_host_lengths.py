@@ -58,3 +58,16 @@ def test_a_bad_host_copy_is_refused_naming_what_is_expected():
     seq_lens = torch.tensor([7, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match="int32 CPU tensor of seq_lens' shape"):
         mla_inductor.register_host_lengths(seq_lens, torch.tensor([7, 9]))
+
+
+def test_forget_plans_drops_host_copies_and_stored_plans():
+    from mla_inductor.backends._common import PlanCache
+
+    cache = small_cache()
+    cache.reserve(2)
+    plans = PlanCache("test")
+    plans.put("config", cache.block_table, cache.seq_lens, None, "a plan")
+    assert plans.get("config", cache.block_table, cache.seq_lens, None) == "a plan"
+    mla_inductor.forget_plans()  # after a write torch's version counter cannot see
+    assert host_lengths(cache.seq_lens) is None
+    assert plans.get("config", cache.block_table, cache.seq_lens, None) is None

@@ -282,3 +282,36 @@ def test_a_user_preference_is_not_reordered(fake_sm90):
     with mla_inductor.prefer_backends("flashinfer_fa3", "flashmla"):
         _, (one,) = lowered(1, "bf16", B=1)
     assert one.backend == "flashinfer_fa3"
+
+
+# ----------------------------------------------------------------------------- little host work per eager call
+
+
+def test_an_eager_call_validates_and_selects_once_per_signature(monkeypatch):
+    """The shape checks and the selection run for the first call of a signature; later calls look them up.
+    A call with another signature is checked afresh (bad input still fails with the contract's message)."""
+    import mla_inductor.ops as ops
+    import mla_inductor.selection as selection
+
+    counts = {"check": 0, "select": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ops, "check_decode_args", counted("check", ops.check_decode_args))
+    monkeypatch.setattr(selection, "select_backend", counted("select", selection.select_backend))
+    monkeypatch.setattr(ops, "_VALIDATED", {})
+    monkeypatch.setattr(selection, "_EAGER_CHOICES", {})
+    x = make_decode_inputs(seq_lens=[5, 17, 9], **{k: v for k, v in SMALL.items()})
+    want = mla_inductor.paged_decode_reference(*x.args())[0]
+    for _ in range(3):
+        assert relative_error(torch.ops.mla.paged_decode(*x.args()), want) < 1e-2
+    assert counts == {"check": 1, "select": 1}
+    args = list(x.args())
+    args[1] = args[1].float()  # q_pe's dtype no longer q_nope's
+    with pytest.raises(TypeError, match="mla.paged_decode: q_pe must have q_nope's dtype"):
+        torch.ops.mla.paged_decode(*args)
+    assert counts["check"] == 2

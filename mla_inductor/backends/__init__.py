@@ -121,6 +121,17 @@ def unregister_backend(name: str) -> None:
     _GENERATION[0] += 1
 
 
+def forget_plans() -> None:
+    """Drop every backend's stored plans and every registered host copy of lengths. For code that writes
+    block_table / seq_lens / sparse_indices in a way torch's version counter does not see (inside a CUDA
+    graph of its own, a foreign kernel): call it after each such write. ``PagedLatentCache`` never needs it."""
+    from mla_inductor.backends._common import forget_plans as forget_stored_plans
+    from mla_inductor.cache import HOST_LENGTHS
+
+    forget_stored_plans()
+    HOST_LENGTHS.clear()
+
+
 def registry_generation() -> int:
     """A number that changes whenever a backend is registered or unregistered."""
     return _GENERATION[0]
