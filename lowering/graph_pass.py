@@ -244,9 +244,10 @@ def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node, ops: PlanOps
     graph.erase_node(plan)
 
 
-def _specialize_model_constants(fake: list) -> list[str]:
+def _specialize_model_constants(fake: list) -> tuple[list[str], Optional[int]]:
     """Fix every symbolic model constant of the call to its traced value (a guard: they never change in a
-    model, and the kernels that plan or cache per shape need them static). Returns what was decided."""
+    model, and the kernels that plan or cache per shape need them static). Returns what was decided, and
+    the new tokens per sequence where T = Q * B had to be decided here (else None)."""
     q_nope, q_pe, kv_cache, block_table, sparse = fake[0], fake[1], fake[2], fake[3], fake[7]
     constants = [("num_heads", q_nope.shape[1]), ("kv_lora_rank", q_nope.shape[2]), ("rope_dim", q_pe.shape[2]),
                  ("page_size", kv_cache.shape[1])] + ([("top-k", sparse.shape[1])] if sparse is not None else [])
@@ -256,14 +257,15 @@ def _specialize_model_constants(fake: list) -> list[str]:
             value = specialize(size)
             notes.append(f"{name}: specialized to {value}" if value is not None else f"{name}: unbacked, left symbolic")
     T, B = q_nope.shape[0], block_table.shape[0]
-    if static_size(T // B) is None:
-        t, b = size_hint(T), size_hint(B)
-        per_seq = t // b if t is not None and b else None
-        if per_seq is not None and decide(T == per_seq * B):
-            notes.append(f"q_per_seq: specialized to {per_seq} (T == {per_seq} * B)")
-        else:
-            notes.append("q_per_seq: unbacked T or B, left symbolic")
-    return notes
+    if static_size(T // B) is not None:
+        return notes, None
+    t, b = size_hint(T), size_hint(B)
+    per_seq = t // b if t is not None and b else None
+    if per_seq is not None and decide(T == per_seq * B):
+        notes.append(f"q_per_seq: specialized to {per_seq} (T == {per_seq} * B)")
+        return notes, per_seq
+    notes.append("q_per_seq: unbacked T or B, left symbolic")
+    return notes, None
 
 
 def _batch_class(problem: DecodeProblem, batch) -> tuple[DecodeProblem, Optional[str]]:
@@ -293,11 +295,10 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
     bound = _bind_decode_args(args, kwargs)
     fake = [_fake(a) for a in bound]
     check_decode_args(*fake)  # a bad call fails with the contract's message before any guard is added
-    notes = _specialize_model_constants(fake)
+    notes, per_seq = _specialize_model_constants(fake)
     problem = check_decode_args(*fake)
-    if notes and problem.q_per_seq is None and any(n.startswith("q_per_seq: specialized") for n in notes):
-        T, B = fake[0].shape[0], fake[3].shape[0]
-        problem = dataclasses.replace(problem, q_per_seq=size_hint(T) // size_hint(B))
+    if problem.q_per_seq is None and per_seq is not None:
+        problem = dataclasses.replace(problem, q_per_seq=per_seq)
     problem, batch_note = _batch_class(problem, fake[3].shape[0])
     notes += [batch_note] if batch_note else []
     capability = device_capability(fake[0].device)
