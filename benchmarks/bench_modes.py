@@ -503,7 +503,8 @@ def markdown(results: Results, env: dict, args) -> str:
                "compiled_backend", "cudagraphs_backend", "compiled_err", "cudagraphs_err"]),
         "c": ("c. one compiled function at B = 4, 8, 16, 64 vs the step compiled for that B alone (target <= 1.05, "
               "same backend)",
-              ["fmt", "mode", "B", "us_per_call", "alone_us", "ratio", "recompiled", "backend", "alone_backend", "err"]),
+              ["fmt", "mode", "B", "us_per_call", "alone_us", "ratio", "recompiled", "backend", "alone_backend",
+               "err"]),
         "d": ("d. 8-layer DeepSeek-V3-shaped HF model, ms per decode step (target: per layer + CUDA graphs <= 1.1x "
               "the whole step with CUDA graphs)",
               ["fmt", "B", *[f"{m}_ms" for m in D_MODES], "per_layer_ratio", *[f"{m}_backend" for m in D_MODES]]),

@@ -197,8 +197,8 @@ def _last_resort(name: str) -> bool:
 def _amortize_host_plans(ranked: list[tuple[str, Optional[str]]], context: CallContext):
     """Where the graph has fewer than HOST_PLAN_MIN_CALLS calls to share a plan, each usable backend that plans
     on the host goes right behind the first usable one after it that plans on the device or needs none (a
-    ``last_resort`` backend excepted: the reference is never the faster one on a GPU). In its old place it leaves a note saying why, which ``select_backend`` reports like
-    a refusal."""
+    ``last_resort`` backend excepted: the reference is never the faster one on a GPU). In its old place it
+    leaves a note saying why, which ``select_backend`` reports like a refusal."""
     if context.calls_sharing_plan >= HOST_PLAN_MIN_CALLS:
         return ranked
     result = list(ranked)
