@@ -267,9 +267,10 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
     out, lse = empty_decode_outputs(q_nope)
     scales = {}
     if kv_cache.dtype == torch.float8_e4m3fn:
-        # The scale folded into q and out on the device (see the module docstring).
-        q_nope = (q_nope * kv_scale).to(q_nope.dtype)
-        q_pe = (q_pe * kv_scale).to(q_pe.dtype)
+        # The scale folded into q and out on the device (see the module docstring): one kernel each,
+        # computed in fp32 and written in q's dtype.
+        q_nope = torch.mul(q_nope, kv_scale, out=torch.empty_like(q_nope))
+        q_pe = torch.mul(q_pe, kv_scale, out=torch.empty_like(q_pe))
         scales = dict(ckv_scale=1.0, kpe_scale=1.0)
     entry.wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, return_lse_base_on_e=True,
                       **scales)
