@@ -4,13 +4,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
+import torch
 import torch._inductor.config as inductor_config
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_int, statically_known_true
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "current_post_grad_pass", "pattern_pass", "set_post_grad_pass"]
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "cudagraphs_enabled", "current_post_grad_pass", "decide",
+           "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize", "static_size"]
 
 
 def current_post_grad_pass() -> Any:
@@ -36,3 +39,59 @@ def pattern_pass(name: str, ops: Iterable, handler: Callable[..., None]) -> Patt
     for op in ops:
         register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(handler)
     return patterns
+
+
+def cudagraphs_enabled() -> bool:
+    """Whether the graph being compiled will be captured in CUDA graphs (``mode="reduce-overhead"`` sets this
+    Inductor option for the compile it runs)."""
+    return bool(inductor_config.triton.cudagraphs)
+
+
+# ----------------------------------------------------------------------------- symbolic sizes
+# Sizes of the fake tensors the pass reads are ints or SymInts of the graph's ShapeEnv (dynamic shapes).
+# "Backed" SymInts have an example value (the size the graph was traced with); unbacked ones
+# (``mark_unbacked``, data-dependent sizes) have none and cannot be guarded on.
+
+
+def static_size(size) -> Optional[int]:
+    """The size as an int if it is one, or a SymInt whose value is fixed (e.g. by an earlier guard); else None."""
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    return int(expr) if expr.is_number else None
+
+
+def size_key(size) -> Any:
+    """A hashable stand-in for a size: the int, or a SymInt's expression (equal sizes, equal keys)."""
+    return size if isinstance(size, int) else size.node.expr
+
+
+def size_hint(size) -> Optional[int]:
+    """A size's value, or for a backed SymInt the value it was traced with; None when unbacked."""
+    if isinstance(size, int):
+        return size
+    return size.node.hint if size.node.has_hint() else None
+
+
+def specialize(size) -> Optional[int]:
+    """Fix a backed symbolic size to the value it was traced with: a guard, so a call with another value
+    recompiles (the graph is then compiled for that one). Returns the value, or None for an unbacked size
+    (left symbolic: it has no value to guard on)."""
+    if size_hint(size) is None:
+        return None
+    return guard_int(size)
+
+
+def decide(cond) -> Optional[bool]:
+    """A symbolic condition's value where it is known, or for backed sizes the value it has for the traced
+    sizes, kept as a guard (a call for which it differs recompiles); None where it depends on an unbacked
+    size."""
+    if isinstance(cond, bool):
+        return cond
+    if statically_known_true(cond):
+        return True
+    if statically_known_true(torch.sym_not(cond)):
+        return False
+    if free_unbacked_symbols(cond):
+        return None
+    return bool(cond)  # evaluates for the traced sizes and records the guard

@@ -3,14 +3,23 @@
 For each call it reads the fake arguments, asks ``select_backend`` which backend runs it, and puts in
 its place either that backend's op or, for backends without one (the reference), the backend's Python
 implementation traced into aten ops, which Inductor then generates as ordinary code.
+
+Dynamic shapes select like static ones. The model's constants (heads, kv_lora_rank, rope dim, page size,
+new tokens per sequence, top-k) never change in a model: where one is symbolic (``dynamic=True``) it is
+fixed to its traced value with a guard. The batch B stays symbolic and is selected by size class
+(``selection.batch_limits``), with a guard where the table distinguishes classes; an unbacked B
+(``mark_unbacked``) takes the largest class. Each call is selected in its graph's context
+(``selection.CallContext``): how many calls share its plan, and whether the graph is captured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,15 +38,29 @@ from mla_inductor.contract import (
     empty_decode_outputs,
 )
 from mla_inductor.lowering.merge_pass import lower_merge_calls
-from mla_inductor.selection import Selection, fp8_query_allowed, rank_backends, select_backend, user_preference
+from mla_inductor.selection import (
+    CallContext,
+    Selection,
+    batch_limits,
+    fp8_query_allowed,
+    rank_backends,
+    select_backend,
+    user_preference,
+)
 
 from mla_inductor.lowering._compat import (
     CustomGraphPass,
     Match,
     as_pass_list,
+    cudagraphs_enabled,
     current_post_grad_pass,
+    decide,
     pattern_pass,
     set_post_grad_pass,
+    size_hint,
+    size_key,
+    specialize,
+    static_size,
 )
 from mla_inductor.lowering.fp8_query import quantized_query_call
 
@@ -61,10 +84,16 @@ def _fake(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Decision:
+    """One backend choice of the pass: for which call (``problem``, with symbolic sizes as selected), on which
+    device, in which graph context; ``reasons`` says why each backend ahead of the winner was passed over
+    (a refusal, or a plan whose cost its graph cannot amortize), ``notes`` how symbolic sizes were decided."""
+
     problem: DecodeProblem
     capability: Optional[tuple[int, int]]
     backend: str
     reasons: tuple[str, ...]
+    context: Optional[CallContext] = None
+    notes: tuple[str, ...] = ()
 
 
 _decisions: dict[Decision, None] = {}  # ordered set
@@ -76,12 +105,14 @@ def decisions() -> list[Decision]:
     return list(_decisions)
 
 
-def _log_decision(problem, capability, selection) -> None:
-    key = Decision(problem, capability, selection.backend, selection.reasons)
+def _log_decision(problem, capability, selection, context=None, notes=()) -> None:
+    key = Decision(problem, capability, selection.backend, selection.reasons, context, tuple(notes))
     if key not in _decisions:
         _decisions[key] = None
         skipped = f" (passed over: {'; '.join(selection.reasons)})" if selection.reasons else ""
-        log.info("mla.paged_decode %s on capability %s -> %s%s", problem, capability, selection.backend, skipped)
+        shapes = f" [{'; '.join(notes)}]" if notes else ""
+        log.info("mla.paged_decode %s on capability %s in %s -> %s%s%s", problem, capability, context,
+                 selection.backend, skipped, shapes)
 
 
 @dataclass
@@ -135,17 +166,30 @@ def _replacement(backend, problem: DecodeProblem, with_lse: bool, constants: dic
     return replacement
 
 
-def _plan_key(node: torch.fx.Node):
+def _plan_key(node: torch.fx.Node, target=True):
     """Plans are equal when they see the same block_table / seq_lens / sparse_indices nodes, constants and
-    per-layer tensors of the same shape and dtype (a plan reads only their metadata)."""
+    per-layer tensors of the same shape and dtype (a plan reads only their metadata). ``target=False``: the
+    key of the plan a decode call would share (its op left out)."""
     def meta(a):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        return (tuple(v.shape), v.dtype, tuple(v.stride())) if isinstance(v, torch.Tensor) else a
+        if not isinstance(v, torch.Tensor):
+            return a
+        return tuple(map(size_key, v.shape)), v.dtype, tuple(map(size_key, v.stride()))
 
     args = _bind_decode_args(node.args, node.kwargs)
     q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse = args
-    return (node.target, meta(q_nope), meta(q_pe), meta(kv_cache), meta(kv_scale), block_table, seq_lens,
-            softmax_scale, sparse)
+    return (node.target if target else None, meta(q_nope), meta(q_pe), meta(kv_cache), meta(kv_scale), block_table,
+            seq_lens, softmax_scale, sparse)
+
+
+def _call_contexts(graph: torch.fx.Graph) -> dict[torch.fx.Node, CallContext]:
+    """Each decode call's context: how many calls of the graph would share its plan (the same block_table /
+    seq_lens / sparse_indices and static shapes), and whether the graph will be captured in CUDA graphs."""
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _DECODE_OPS]
+    keys = {n: _plan_key(n, target=False) for n in calls}
+    sharing = Counter(keys.values())
+    captured = cudagraphs_enabled()
+    return {n: CallContext(sharing[keys[n]], captured) for n in calls}
 
 
 def _share_plans(graph: torch.fx.Graph, ops: PlanOps) -> int:
@@ -223,17 +267,69 @@ def _plan_in_first_call(graph: torch.fx.Graph, plan: torch.fx.Node, ops: PlanOps
     graph.erase_node(plan)
 
 
-def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
+def _specialize_model_constants(fake: list) -> tuple[list[str], Optional[int]]:
+    """Fix every symbolic model constant of the call to its traced value (a guard: they never change in a
+    model, and the kernels that plan or cache per shape need them static). Returns what was decided, and
+    the new tokens per sequence where T = Q * B had to be decided here (else None)."""
+    q_nope, q_pe, kv_cache, block_table, sparse = fake[0], fake[1], fake[2], fake[3], fake[7]
+    constants = [("num_heads", q_nope.shape[1]), ("kv_lora_rank", q_nope.shape[2]), ("rope_dim", q_pe.shape[2]),
+                 ("page_size", kv_cache.shape[1])] + ([("top-k", sparse.shape[1])] if sparse is not None else [])
+    notes = []
+    for name, size in constants:
+        if static_size(size) is None:
+            value = specialize(size)
+            notes.append(f"{name}: specialized to {value}" if value is not None else f"{name}: unbacked, left symbolic")
+    T, B = q_nope.shape[0], block_table.shape[0]
+    if static_size(T // B) is not None:
+        return notes, None
+    t, b = size_hint(T), size_hint(B)
+    per_seq = t // b if t is not None and b else None
+    if per_seq is not None and decide(T == per_seq * B):
+        notes.append(f"q_per_seq: specialized to {per_seq} (T == {per_seq} * B)")
+        return notes, per_seq
+    notes.append("q_per_seq: unbacked T or B, left symbolic")
+    return notes, None
+
+
+def _batch_class(problem: DecodeProblem, batch) -> tuple[DecodeProblem, Optional[str]]:
+    """Select a symbolic batch by size class: for each batch limit of the table, whether B is within it
+    (known, or guarded on the traced B). The problem then carries the class's upper limit as its batch
+    (None above every limit), which the table's rows answer exactly as they would any B of the class."""
+    if problem.batch is not None:
+        return problem, None
+    limits = batch_limits()
+    hint = size_hint(batch)
+    if hint is None:
+        return problem, f"batch: unbacked, the class above every batch limit {limits}" if limits else "batch: unbacked"
+    within = [limit for limit in limits if decide(batch <= limit)]
+    upper = min(within) if within else None
+    lower = max((limit for limit in limits if upper is None or limit < upper), default=None)
+    if upper is None:
+        what = f"B > {lower}" if lower is not None else "any B"
+    else:
+        what = f"{lower} < B <= {upper}" if lower is not None else f"B <= {upper}"
+    return dataclasses.replace(problem, batch=upper), f"batch: symbolic (traced {hint}), class {what}"
+
+
+def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwargs) -> None:
     node = match.nodes[0]
+    ops = graph_pass.plan_ops
     with_lse = _DECODE_OPS[node.target]
     bound = _bind_decode_args(args, kwargs, OP_ARG_NAMES)
     fake = [_fake(a) for a in bound]
+    check_decode_args(*fake)  # a bad call fails with the contract's message before any guard is added
+    notes, per_seq = _specialize_model_constants(fake)
     problem = check_decode_args(*fake)
+    if problem.q_per_seq is None and per_seq is not None:
+        problem = dataclasses.replace(problem, q_per_seq=per_seq)
+    problem, batch_note = _batch_class(problem, fake[3].shape[0])
+    notes += [batch_note] if batch_note else []
     capability = device_capability(fake[0].device)
-    selection = select_backend(problem, capability)
+    context = graph_pass.contexts.get(node)
+    selection = select_backend(problem, capability, context=context)
     if autotune_enabled() and fake[0].device.type == "cuda":
         selection = _autotuned(problem, capability, selection, fake)
-    _log_decision(problem, capability, selection)
+    _log_decision(problem, capability, selection, context, notes)
     node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
     constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
     backend = get_backend(selection.backend)
@@ -243,8 +339,9 @@ def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
 
 
 def _hint(size) -> int:
-    """A symbolic size's example value (the size the graph was traced with)."""
-    return size if isinstance(size, int) else int(size.node.hint if size.node.hint is not None else 1)
+    """A symbolic size's example value (the size the graph was traced with), 1 where it has none."""
+    hint = size_hint(size)
+    return 1 if hint is None else hint
 
 
 def _autotuned(problem, capability, selection, fake):
@@ -297,6 +394,7 @@ class MLALoweringPass(CustomGraphPass):
     def __init__(self, previous: Optional[Any] = None):
         self.previous = previous  # the post-grad pass(es) the user had installed before us
         self.plan_ops = PlanOps()
+        self.contexts: dict[torch.fx.Node, CallContext] = {}  # of the graph being rewritten
         self._patterns = None
 
     def _previous_passes(self) -> list:
@@ -305,14 +403,18 @@ class MLALoweringPass(CustomGraphPass):
     def _decode_patterns(self):
         if self._patterns is None:
             self._patterns = pattern_pass("mla_inductor_lowering", _DECODE_OPS,
-                                          functools.partial(_lower_decode_call, self.plan_ops))
+                                          functools.partial(_lower_decode_call, self))
         return self._patterns
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for previous in self._previous_passes():
             previous(graph)
         if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
-            self._decode_patterns().apply(graph)
+            self.contexts = _call_contexts(graph)
+            try:
+                self._decode_patterns().apply(graph)
+            finally:
+                self.contexts = {}
             _share_plans(graph, self.plan_ops)
             graph.eliminate_dead_code()
         lower_merge_calls(graph)

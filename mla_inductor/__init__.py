@@ -8,7 +8,15 @@ by the first compile that reaches Inductor.
 """
 
 from mla_inductor import _compat
-from mla_inductor.cache import PagedLatentCache, cache_format, fp8_scale_for, pack_fp8_ds_mla, unpack_fp8_ds_mla
+from mla_inductor.cache import (
+    PagedLatentCache,
+    cache_format,
+    fp8_scale_for,
+    pack_fp8_ds_mla,
+    register_host_lengths,
+    unpack_fp8_ds_mla,
+)
+from mla_inductor.backends import forget_plans
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.merge import merge_attn_states, merge_attn_states_n
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
@@ -34,12 +42,14 @@ __all__ = [
     "PagedLatentCache",
     "cache_append",
     "cache_format",
+    "forget_plans",
     "fp8_scale_for",
     "pack_fp8_ds_mla",
     "paged_decode",
     "paged_decode_reference",
     "paged_decode_with_lse",
     "prefer_backends",
+    "register_host_lengths",
     "select_backend",
     "unpack_fp8_ds_mla",
 ]

@@ -28,6 +28,12 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t)
 
 
+def version_counter(t: torch.Tensor) -> int:
+    """``Tensor._version``: bumped by every in-place write through torch (views share their base's counter).
+    Writes that bypass torch (a CUDA-graph replay, a foreign kernel on the raw pointer) do not bump it."""
+    return t._version
+
+
 def real_tensors():
     """A context in which tensors are real even inside a fake-tensor trace (for measuring on the device
     while a fake impl runs): ``torch._subclasses.fake_tensor.unset_fake_temporarily``."""

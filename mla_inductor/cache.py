@@ -12,11 +12,13 @@ Formats (``cache_format(kv_cache)`` names them):
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from mla_inductor._compat import mark_static_address
+from mla_inductor._compat import mark_static_address, version_counter
 
 FP8_E4M3_MAX = 448.0
 FP8_DS_MLA_TOKEN_BYTES = 656
@@ -124,6 +126,97 @@ def fp8_scale_for(values: torch.Tensor) -> torch.Tensor:
     return (amax / FP8_E4M3_MAX).reshape(1)
 
 
+# ----------------------------------------------------------------------------- host copies of the lengths
+
+class HostLengths:
+    """Host copies of ``seq_lens`` tensors, for backends whose plan schedules on the CPU (FlashInfer's MLA
+    wrapper reads every sequence's length on the host).
+
+    Without a host copy such a plan copies the lengths from the device and waits for them: a device->host
+    sync in every decode step, which also stalls the CPU until the GPU has caught up. Whoever writes a
+    ``seq_lens`` tensor and knows the values on the host records both right after the write (``record``;
+    ``PagedLatentCache`` does it in its own methods, other callers use ``mla_inductor.register_host_lengths``).
+    ``lookup`` answers with the host copy while the device tensor is unchanged since: the same tensor (or a
+    view of it at the same address and shape) whose version counter has not moved. Anything else gets None
+    and the plan falls back to the device->host copy: correct, one sync.
+
+    Writes that bypass torch's version counter (a CUDA-graph replay that writes ``seq_lens``, a foreign
+    kernel writing its memory) are not seen: whoever writes the lengths that way must ``record`` again (or
+    ``forget``) after each write.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int], _HostCopy] = {}
+
+    def record(self, seq_lens: torch.Tensor, host: torch.Tensor) -> None:
+        """``host`` (int32 [B] on the CPU) holds the values ``seq_lens`` (int32 [B], any device) has now.
+        ``host`` must not be written afterwards (record a new tensor instead): a plan may still be copying
+        from it."""
+        if host.device.type != "cpu" or host.dtype != torch.int32 or tuple(host.shape) != tuple(seq_lens.shape):
+            raise ValueError(f"register_host_lengths: the host copy must be an int32 CPU tensor of seq_lens' shape "
+                             f"{tuple(seq_lens.shape)}, got {host.dtype} {tuple(host.shape)} on {host.device}")
+        key = (str(seq_lens.device), seq_lens.data_ptr())
+        entries = self._entries
+
+        def drop(ref, key=key):  # the device tensor is gone: its address may be reused by another one
+            if key in entries and entries[key].tensor is ref:
+                del entries[key]
+
+        entries[key] = _HostCopy(weakref.ref(seq_lens, drop), tuple(seq_lens.shape), version_counter(seq_lens), host)
+
+    def lookup(self, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
+        """The host copy of ``seq_lens`` if it is still current, else None."""
+        entry = self._entries.get((str(seq_lens.device), seq_lens.data_ptr()))
+        if entry is None or entry.tensor() is None or entry.shape != tuple(seq_lens.shape):
+            return None
+        return entry.host if version_counter(seq_lens) == entry.version else None
+
+    def forget(self, seq_lens: torch.Tensor) -> None:
+        self._entries.pop((str(seq_lens.device), seq_lens.data_ptr()), None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@dataclass(frozen=True)
+class _HostCopy:
+    tensor: weakref.ref  # the device tensor recorded (alive: its address is its own)
+    shape: tuple
+    version: int
+    host: torch.Tensor
+
+
+HOST_LENGTHS = HostLengths()
+
+
+def register_host_lengths(seq_lens: torch.Tensor, host_lens: torch.Tensor) -> None:
+    """Tell mla-inductor the host values of ``seq_lens`` as it is now, so that a plan needing lengths on the
+    host (FlashInfer's) reads them there instead of waiting for a copy from the device.
+
+    Call it after every write of ``seq_lens`` (``host_lens``: int32 CPU tensor of the same shape, a fresh one
+    each time, never written afterwards). A ``PagedLatentCache`` does this itself. Without it everything still
+    runs: such a plan then copies the lengths from the device (one device->host sync per plan).
+    """
+    HOST_LENGTHS.record(seq_lens, host_lens)
+
+
+def host_lengths(seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The host copy registered for ``seq_lens`` if still current (see ``HostLengths``), else None."""
+    return HOST_LENGTHS.lookup(seq_lens)
+
+
+def copy_to_device_async(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """``dst.copy_(host)`` without the host waiting for the device: on CUDA from a pinned copy of ``host``
+    (the caching host allocator keeps that memory until the copy has run), so no sync."""
+    if dst.device.type == "cuda":
+        staged = host if host.is_pinned() else host.pin_memory()
+        dst.copy_(staged, non_blocking=True)
+    else:
+        dst.copy_(host)
+
+
+# ----------------------------------------------------------------------------- a paged cache
+
 @dataclass
 class PagedLatentCache:
     """Paged latent caches for ``num_layers`` layers sharing one page allocator and block table.
@@ -131,6 +224,9 @@ class PagedLatentCache:
     ``block_table`` [batch, max_pages] int32 and ``seq_lens`` [batch] int32 live on ``device`` and are
     updated in place, so a compiled (or CUDA-graph captured) decode step sees new lengths without
     re-tracing. Pages are handed out from a free list on the host; ``reset(b)`` returns a sequence's pages.
+    ``host_seq_lens`` is the host copy of ``seq_lens`` (pinned on CUDA), replaced by a fresh tensor at each
+    change and registered in ``HOST_LENGTHS``, so plans that schedule on the host never wait for the device;
+    nothing here waits for the device either (updates are copied from pinned memory, asynchronously).
 
         cache = PagedLatentCache.allocate(num_layers=2, batch_size=4, max_seq_len=1024, kv_lora_rank=512,
                                           rope_dim=64, page_size=64, fmt="bf16", device="cuda")
@@ -146,6 +242,7 @@ class PagedLatentCache:
     page_size: int
     kv_lora_rank: int
     rope_dim: int
+    host_seq_lens: Optional[torch.Tensor] = field(default=None, repr=False)
     _free_pages: list[int] = field(default_factory=list, repr=False)
     _host_lens: list[int] = field(default_factory=list, repr=False)
     _host_pages: list[list[int]] = field(default_factory=list, repr=False)
@@ -185,7 +282,7 @@ class PagedLatentCache:
         # static buffer at each replay (hundreds of MB per layer).
         for t in (*kv_caches, *tensors.values()):
             mark_static_address(t)
-        return cls(
+        cache = cls(
             kv_caches=kv_caches,
             **tensors,
             page_size=page_size,
@@ -195,6 +292,8 @@ class PagedLatentCache:
             _host_lens=[0] * batch_size,
             _host_pages=[[] for _ in range(batch_size)],
         )
+        cache._sync_tables()  # registers the host copy of the (zero) lengths
+        return cache
 
     @property
     def batch_size(self) -> int:
@@ -225,7 +324,9 @@ class PagedLatentCache:
             slots.extend(pages[t // self.page_size] * self.page_size + t % self.page_size for t in range(start, end))
             self._host_lens[b] = end
         self._sync_tables()
-        return torch.tensor(slots, dtype=torch.int32, device=self.block_table.device)
+        slot_mapping = torch.empty(len(slots), dtype=torch.int32, device=self.block_table.device)
+        copy_to_device_async(slot_mapping, torch.tensor(slots, dtype=torch.int32))
+        return slot_mapping
 
     def reset(self, batch_index: int | None = None) -> None:
         """Forget sequence ``batch_index`` (all sequences if None) and return its pages."""
@@ -236,11 +337,18 @@ class PagedLatentCache:
         self._sync_tables()
 
     def _sync_tables(self) -> None:
+        """Write the host's block table and lengths into the device tensors (no sync), and record the new
+        host copy of the lengths."""
         table = torch.zeros(self.block_table.shape, dtype=torch.int32)
         for b, pages in enumerate(self._host_pages):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.block_table.copy_(table)
-        self.seq_lens.copy_(torch.tensor(self._host_lens, dtype=torch.int32))
+        lens = torch.tensor(self._host_lens, dtype=torch.int32)
+        if self.seq_lens.device.type == "cuda":
+            lens = lens.pin_memory()
+        copy_to_device_async(self.block_table, table)
+        copy_to_device_async(self.seq_lens, lens)
+        self.host_seq_lens = lens  # a fresh tensor each time: a plan may still be copying from the old one
+        HOST_LENGTHS.record(self.seq_lens, lens)
 
     def append(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new tokens' latent [N, L] and rope key [N, R] of one layer into the reserved slots."""

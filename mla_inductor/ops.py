@@ -19,6 +19,7 @@ import torch
 
 from mla_inductor.contract import (
     OP_ARGS_SCHEMA,
+    DecodeProblem,
     check_append_args,
     check_append_values,
     check_decode_args,
@@ -30,11 +31,48 @@ from mla_inductor.selection import backend_for_append, backend_for_eager
 
 Tensor = torch.Tensor
 
+# The ops are defined with the low-level Library API: an eager call then goes from the dispatcher straight
+# to the Python implementation. ``torch.library.custom_op`` adds Python layers (autograd wrapper, output
+# checks) that cost several times the dispatch itself on every call. These ops have no autograd formula:
+# inference only.
+_LIB = torch.library.Library("mla", "FRAGMENT")
+
+
+def _define(name: str, schema: str, impl, fake):
+    _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"mla::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.mla, name)
+
+
+# ----------------------------------------------------------------------------- decode
+
+# Eager calls validate each distinct argument signature once (shapes, strides, dtypes, devices: everything
+# the checks read), then find its DecodeProblem here; the checks that read data run on every call.
+_VALIDATED: dict[tuple, DecodeProblem] = {}
+_MAX_SIGNATURES = 4096
+
+
+def _meta(a):
+    return (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a)
+
+
+def _validated(op: str, args: tuple) -> DecodeProblem:
+    """The call's DecodeProblem; the shape/dtype/device checks run once per argument signature."""
+    key = (op, *map(_meta, args))
+    problem = _VALIDATED.get(key)
+    if problem is None:
+        problem = check_decode_args(*args, op=op)
+        if len(_VALIDATED) >= _MAX_SIGNATURES:
+            _VALIDATED.clear()
+        _VALIDATED[key] = problem
+    return problem
+
 
 def _decode(op: str, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
             sparse_indices=None, q_scale=None) -> tuple[Tensor, Tensor]:
-    problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                sparse_indices, q_scale, op=op)
+    args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale)
+    problem = _validated(op, args)
     if wants_value_checks(q_nope):
         check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op,
                             q_scale=q_scale)
@@ -48,15 +86,13 @@ def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
     return _decode("paged_decode_with_lse", *args)
 
 
-paged_decode_with_lse = torch.library.custom_op(
-    "mla::paged_decode_with_lse", _paged_decode_with_lse, mutates_args=(),
-    schema=f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)")
-
-
-@paged_decode_with_lse.register_fake
-def _(*args):
+def _paged_decode_with_lse_fake(*args):
     check_decode_args(*args, op="paged_decode_with_lse")
     return empty_decode_outputs(args[0])
+
+
+paged_decode_with_lse = _define("paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)",
+                                _paged_decode_with_lse, _paged_decode_with_lse_fake)
 
 
 def _paged_decode(*args) -> Tensor:
@@ -64,18 +100,17 @@ def _paged_decode(*args) -> Tensor:
     return _decode("paged_decode", *args)[0]
 
 
-paged_decode = torch.library.custom_op(
-    "mla::paged_decode", _paged_decode, mutates_args=(), schema=f"({OP_ARGS_SCHEMA}) -> Tensor")
-
-
-@paged_decode.register_fake
-def _(*args):
+def _paged_decode_fake(*args):
     check_decode_args(*args)
     return empty_decode_outputs(args[0])[0]
 
 
-@torch.library.custom_op("mla::cache_append", mutates_args=("kv_cache",))
-def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
+paged_decode = _define("paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake)
+
+
+# ----------------------------------------------------------------------------- cache_append
+
+def _cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
     """Write token i's ``[kv_c[i] | k_pe[i]]`` into flat slot ``slot_mapping[i]`` of ``kv_cache`` in place.
 
     kv_cache [P, page_size, L+R] (or 656-byte fp8_ds_mla rows), kv_c [N, L], k_pe [N, R], slot_mapping [N]
@@ -89,9 +124,12 @@ def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Ten
     backend_for_append(kv_cache.device).append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
-@cache_append.register_fake
-def _(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
+def _cache_append_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
     check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+
+
+cache_append = _define("cache_append", "(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "
+                       "Tensor kv_scale) -> ()", _cache_append, _cache_append_fake)
 
 
 __all__ = ["cache_append", "paged_decode", "paged_decode_with_lse"]

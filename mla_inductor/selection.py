@@ -1,8 +1,12 @@
 """Which backend runs a call: a table of preferences per device, filtered by what each backend supports.
 
 ``select_backend`` is a pure function of the call's ``DecodeProblem``, the device's compute capability,
-what is installed and the user's preference; the Inductor pass and the eager path both ask it.
-``backend_for_append`` picks the writer of ``mla.cache_append`` the same way, from ``APPEND_ORDER``.
+what is installed, the user's preference and, for a compiled call, its ``CallContext`` (how many calls of
+its graph share a plan, whether the graph is captured in a CUDA graph); the Inductor pass and the eager
+path both ask it. The table ranks kernels as they run in a model's step, where one plan serves every layer;
+a backend that plans on the host is moved behind one that plans on the device where its graph has no other
+call to share that plan with (``HOST_PLAN_MIN_CALLS``). ``backend_for_append`` picks the writer of
+``mla.cache_append`` the same way, from ``APPEND_ORDER``.
 
 Accuracy is the user's choice: backends that compute with the query quantized to e4m3 (FlashMLA's dense
 FP8 kernel) take a call only when the caller opted in, with a static ``q_scale`` on the call or with
@@ -34,6 +38,26 @@ _local = threading.local()
 class Selection:
     backend: str
     reasons: tuple[str, ...]  # why each backend ahead of the winner was passed over
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Where a compiled call runs, as the Inductor pass sees its graph: how many calls share the plan this
+    call's backend would make (the calls over the same block_table / seq_lens / sparse_indices and static
+    shapes: one per layer in a whole-step graph, 1 in a graph compiled per layer or an MTP draft layer),
+    and whether the graph is likely captured in a CUDA graph (``mode="reduce-overhead"``)."""
+
+    calls_sharing_plan: int
+    captured: bool = False
+
+
+# A host plan is paid once per graph (Inductor's pass hoists it); with fewer calls than this to share it, a
+# backend planning on the host goes behind the next one that plans on the device (or needs no plan).
+# Measured (docs/benchmarks.md section 2, H100, bf16, S=4096): FlashInfer FA3 per call in a 61-call CUDA-graph
+# step 24.6 us (B=1 H=128) / 23.0 us (H=16) vs FlashMLA 25.6 / 28.7 us; a one-call compiled step on FA3
+# 197.2 / 263.2 us, its host plan included. Sparse (bf16 cache, top-k 2048): one-call FA3 steps 770-1350 us
+# against 165-354 us for our Triton kernel alone (section 1).
+HOST_PLAN_MIN_CALLS = 2
 
 
 @dataclass(frozen=True)
@@ -95,6 +119,12 @@ TABLE: tuple[Row, ...] = (
         "consumer Blackwell: Triton for fp8 (seed); XQA MLA (H=128, Q=1) as the fallback"),
     Row("sm80", BF16, False, ("flashinfer_fa2", "triton", "reference"), "Ampere/Ada: FA2 is the CUDA MLA kernel"),
 )
+
+
+def batch_limits() -> tuple[int, ...]:
+    """The batch sizes at which the table's choice may change (its rows' ``max_batch``), ascending: a compiled
+    graph with a symbolic batch is selected for the size class its traced batch falls in."""
+    return tuple(sorted({row.max_batch for row in TABLE if row.max_batch is not None}))
 
 
 def device_class(device_type: str, capability: Optional[tuple[int, int]]) -> str:
@@ -175,10 +205,11 @@ def rank_backends(
     *,
     available: Optional[Mapping[str, Optional[str]]] = None,
     preference: Optional[Sequence[str]] = None,
+    context: Optional[CallContext] = None,
 ) -> list[tuple[str, Optional[str]]]:
-    """Every backend in the order tried (the user's preference if any, else the table's), each with None
-    if it can run the call or the reason it cannot. ``available`` maps backend name -> None or why it is
-    unavailable (default: probe the installed libraries)."""
+    """Every backend in the order tried (the user's preference if any, else the table's, adjusted to the
+    call's ``context``), each with None if it can run the call or the reason it cannot. ``available`` maps
+    backend name -> None or why it is unavailable (default: probe the installed libraries)."""
     known = backends.registered_backends()
     available = backends.availability() if available is None else available
     preference = user_preference() if preference is None else preference
@@ -192,7 +223,50 @@ def rank_backends(
     for name in list(preference) if preference else table_order(problem, capability):
         why = available.get(name, "not installed") if name in known else "not registered"
         ranked.append((name, why if why is not None else backends.get_backend(name).supports(problem, capability)))
+    if context is not None and not preference:  # a user's order is taken as given
+        ranked = _amortize_host_plans(ranked, context)
     return ranked
+
+
+def _plans_on_host(name: str) -> bool:
+    return getattr(backends.get_backend(name), "plans_on_host", False)
+
+
+def _last_resort(name: str) -> bool:
+    return getattr(backends.get_backend(name), "last_resort", False)
+
+
+def _amortize_host_plans(ranked: list[tuple[str, Optional[str]]], context: CallContext):
+    """Where the graph has fewer than HOST_PLAN_MIN_CALLS calls to share a plan, each usable backend that plans
+    on the host goes right behind the first usable one after it that plans on the device or needs none (a
+    ``last_resort`` backend excepted: the reference is never the faster one on a GPU). In its old place it
+    leaves a note saying why, which ``select_backend`` reports like a refusal."""
+    if context.calls_sharing_plan >= HOST_PLAN_MIN_CALLS:
+        return ranked
+    result = list(ranked)
+    moved: set[str] = set()
+    i = 0
+    while i < len(result):
+        name, why = result[i]
+        if why is None and name not in moved and _plans_on_host(name):
+            after = next((j for j in range(i + 1, len(result)) if result[j][1] is None
+                          and not _last_resort(result[j][0]) and not _plans_on_host(result[j][0])), None)
+            if after is not None:
+                result[i] = (name, _host_plan_note(name, result[after][0], context))
+                result.insert(after + 1, (name, None))
+                moved.add(name)
+        i += 1
+    return result
+
+
+def _host_plan_note(name: str, instead: str, context: CallContext) -> str:
+    calls = context.calls_sharing_plan
+    graph = "its CUDA-graph-captured graph" if context.captured else "its graph"
+    split = "; the host plan also splits the CUDA graph" if context.captured else ""
+    cost = getattr(backends.get_backend(name), "plan_cost", "a plan on the host")
+    return (f"plan cost not amortized: {cost}, and {graph} has {calls} call{'s' if calls != 1 else ''} to share "
+            f"it{split}; {instead} plans on the device or needs no plan, so it goes first (fewer than "
+            f"HOST_PLAN_MIN_CALLS={HOST_PLAN_MIN_CALLS} calls per plan)")
 
 
 def select_backend(
@@ -201,12 +275,14 @@ def select_backend(
     *,
     available: Optional[Mapping[str, Optional[str]]] = None,
     preference: Optional[Sequence[str]] = None,
+    context: Optional[CallContext] = None,
 ) -> Selection:
-    """The first backend of the user's preference (or the table's order) that is available and supports
-    the problem, with the reasons the ones ahead of it were passed over. Raises RuntimeError, listing
-    every reason, when none can run the call."""
+    """The first backend of the user's preference (or the table's order, adjusted to a compiled call's
+    ``context``) that is available and supports the problem, with the reasons the ones ahead of it were
+    passed over. Raises RuntimeError, listing every reason, when none can run the call."""
     reasons = []
-    for name, why in rank_backends(problem, capability, available=available, preference=preference):
+    for name, why in rank_backends(problem, capability, available=available, preference=preference,
+                                   context=context):
         if why is None:
             return Selection(name, tuple(reasons))
         reasons.append(f"{name}: {why}")
@@ -223,9 +299,18 @@ def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     return select_backend(problem, backends.device_capability(q_nope.device))
 
 
+_EAGER_CHOICES: dict[tuple, Backend] = {}
+
+
 def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
-    """The backend an eager call runs on (the same choice as the compiler's)."""
-    return backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
+    """The backend an eager call runs on (the same choice as the compiler's), chosen once per problem,
+    device, user preference, FP8-query opt-in and set of registered backends."""
+    key = (problem, device, user_preference(), fp8_query_allowed(), backends.registry_generation())
+    backend = _EAGER_CHOICES.get(key)
+    if backend is None:
+        backend = backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
+        _EAGER_CHOICES[key] = backend
+    return backend
 
 
 # Who writes new tokens into a cache (``mla.cache_append``): the first that is available and can write

@@ -1,19 +1,34 @@
-"""A test backend with a plan op, to check that the pass plans once per forward on any machine."""
+"""A test backend with a plan op, to check that the pass plans once per forward on any machine.
+
+Its plan is a copy of seq_lens (the run checks it got the plan of its own lengths), kept in a ``PlanCache``
+like a real backend's: ``PLANS_MADE`` counts the plans actually computed, so tests see one plan per step
+however the step is split.
+"""
 
 from typing import Optional
 
 import torch
 
 from mla_inductor.backends import Backend
+from mla_inductor.backends._common import PlanCache
 from mla_inductor.contract import empty_decode_outputs
 from mla_inductor.reference import paged_decode_reference
+
+PLANS = PlanCache("planned_test")
+PLANS_MADE: list[int] = []  # one entry per plan computed (not served from PLANS)
 
 
 @torch.library.custom_op("mla_test::plan", mutates_args=())
 def plan(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
          seq_lens: torch.Tensor, softmax_scale: float, kv_scale: torch.Tensor,
          sparse_indices: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    return [seq_lens.clone()]
+    config = (tuple(q_nope.shape), q_nope.dtype, tuple(kv_cache.shape[1:]), kv_cache.dtype, softmax_scale)
+    made = PLANS.get(config, block_table, seq_lens, sparse_indices)
+    if made is None:
+        PLANS_MADE.append(1)
+        made = seq_lens.clone()
+        PLANS.put(config, block_table, seq_lens, sparse_indices, made)
+    return [made.clone()]  # a copy: Inductor may reuse an op's output memory
 
 
 @plan.register_fake

@@ -18,6 +18,7 @@ import torch
 
 import mla_inductor
 from mla_inductor.backends import _flashinfer_common as common
+from mla_inductor.backends._common import finish_empty_rows as common_finish
 from mla_inductor.backends import get_backend
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
@@ -228,6 +229,7 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(common, "WORKSPACE_BYTES", 1 << 16)
     monkeypatch.setattr(common, "_WORKSPACES", {})
     monkeypatch.setattr(common, "_WRAPPERS", {})
+    monkeypatch.setattr(common, "PLANS", common.PlanCache("flashinfer_wrapper"))
     FakeWrapper.instances = []
     common.flashinfer_unavailable_reason.cache_clear()
     yield fi
@@ -291,6 +293,44 @@ def test_wrapper_reused_across_calls(fake_flashinfer):
         x = make_decode_inputs([5, 70], num_heads=4, seed=seed)
         _check("flashinfer_fa3", x)
     assert len(FakeWrapper.instances) == 1 and len(FakeWrapper.instances[0].plans) == 2
+
+
+def test_one_plan_until_the_lengths_or_pages_change(fake_flashinfer):
+    """Calls over the same block_table / seq_lens reuse the wrapper's plan (the layers of one eager step, or
+    of a step compiled per layer); a write to either tensor makes the next call plan again."""
+    x = make_decode_inputs([5, 70], num_heads=4, seed=0)
+    for _ in range(3):
+        _check("flashinfer_fa3", x)
+    (w,) = FakeWrapper.instances
+    assert len(w.plans) == 1 and common.PLANS.hits == 2
+    x.seq_lens.copy_(torch.tensor([6, 71], dtype=torch.int32))
+    _check("flashinfer_fa3", x)
+    x.block_table[0, 1] = x.block_table[1, 0]  # any write counts, even of a page the lengths do not reach
+    _check("flashinfer_fa3", x)
+    assert len(w.plans) == 3
+
+
+def test_plan_reads_the_registered_host_lengths(fake_flashinfer):
+    """A registered host copy is what the plan reads (here deliberately different from the device tensor,
+    to see which one was read); without one, or once seq_lens is written, the device's lengths."""
+    x = make_decode_inputs([5, 70], num_heads=4, seed=0)
+    mla_inductor.register_host_lengths(x.seq_lens, torch.tensor([64, 70], dtype=torch.int32))
+    get_backend("flashinfer_fa3").decode(*x.args())
+    (w,) = FakeWrapper.instances
+    assert w.bufs["lens"].tolist() == [64, 70]
+    x.seq_lens.add_(0)  # a write through torch: the host copy is stale
+    get_backend("flashinfer_fa3").decode(*x.args())
+    assert w.bufs["lens"].tolist() == [5, 70]
+
+
+@pytest.mark.parametrize("case,finished", [("q1", True), ("q2", True), ("fp8", False), ("fp8_q2", True),
+                                           ("sparse", True)])
+def test_empty_rows_are_finished_only_where_the_plan_has_some(fake_flashinfer, monkeypatch, case, finished):
+    """fp8_q2 has a length-1 sequence with Q=2: its first row sees nothing."""
+    calls = []
+    monkeypatch.setattr(common, "finish_empty_rows", lambda *args: calls.append(1) or common_finish(*args))
+    _check("flashinfer_fa3", _cpu_inputs(case))
+    assert bool(calls) == finished
 
 
 def test_run_without_plan_is_an_error(fake_flashinfer):

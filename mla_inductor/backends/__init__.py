@@ -25,6 +25,9 @@ A backend answers three questions and does one thing:
 - ``out_only_op()``: None, or an op with ``compiled_op``'s arguments returning only ``out`` (same shape and
   strides). The pass puts it in place of ``mla.paged_decode``, whose lse nobody reads, where leaving the
   lse out saves work (FlashMLA: its lse must be rewritten into the contract's layout by a kernel of its own).
+- ``plans_on_host`` / ``plan_cost``: whether the plan runs on the host (a scheduler on the CPU, outside
+  any CUDA graph) and a phrase saying what it costs; selection moves such a backend behind one planning on
+  the device where a compiled graph has no other call to share the plan with (``selection.CallContext``).
 - ``quantized_query_op(problem)``: None, or (for calls whose kernel computes with q in e4m3, one scale per
   tensor) an op taking ``(q [T, H, L+R] float8_e4m3fn, q_descale [1] fp32, kv_cache, block_table,
   seq_lens, softmax_scale, kv_scale, sparse_indices, plan, out_dtype)`` and returning ``(out [T, H, L] in
@@ -70,6 +73,7 @@ _REGISTRY: dict[str, Union[str, "Backend"]] = {
     "flashmla": "mla_inductor.backends.flashmla",
 }
 _LOADED: dict[str, "Backend"] = {}
+_GENERATION = [0]  # bumped by every (un)registration: choices cached per registry state see the change
 
 
 class Backend:
@@ -78,6 +82,9 @@ class Backend:
     name: str = ""
     libraries: tuple[str, ...] = ()  # importable packages whose versions decide what the backend runs
     plan_is_optional: bool = False
+    plans_on_host: bool = False  # the plan runs on the CPU, outside CUDA graphs (see selection.CallContext)
+    plan_cost: str = "no plan"
+    last_resort: bool = False  # the catch-all that closes every table row, never preferred for its cost
 
     def unavailable_reason(self) -> Optional[str]:
         return None
@@ -125,12 +132,30 @@ def register_backend(name: str, backend: Union[str, Backend]) -> None:
         raise TypeError(f"register_backend needs a Backend or a module path, got {type(backend).__name__}")
     _REGISTRY[name] = backend
     _LOADED.pop(name, None)
+    _GENERATION[0] += 1
 
 
 def unregister_backend(name: str) -> None:
     """Forget a backend added with ``register_backend`` (built-in ones included)."""
     _REGISTRY.pop(name, None)
     _LOADED.pop(name, None)
+    _GENERATION[0] += 1
+
+
+def forget_plans() -> None:
+    """Drop every backend's stored plans and every registered host copy of lengths. For code that writes
+    block_table / seq_lens / sparse_indices in a way torch's version counter does not see (inside a CUDA
+    graph of its own, a foreign kernel): call it after each such write. ``PagedLatentCache`` never needs it."""
+    from mla_inductor.backends._common import forget_plans as forget_stored_plans
+    from mla_inductor.cache import HOST_LENGTHS
+
+    forget_stored_plans()
+    HOST_LENGTHS.clear()
+
+
+def registry_generation() -> int:
+    """A number that changes whenever a backend is registered or unregistered."""
+    return _GENERATION[0]
 
 
 def registered_backends() -> tuple[str, ...]:

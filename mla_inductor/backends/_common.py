@@ -10,17 +10,19 @@ rows and pages every kernel needs, and the fp8 query.
 - ``finish_empty_rows``: rows that see nothing get out 0 and lse -inf, whatever the kernel wrote.
 - ``quantize_query_fp8``: a query in e4m3 with one scale per tensor, on the device; ``quantize_query_reference``
   the same in plain torch (what the Inductor pass writes into the graph).
+- ``PlanCache``: one plan per step however the step is split (separately compiled layers, eager calls).
 
 The cache format of a tensor is ``mla_inductor.cache.cache_format`` (and its dtype ``cache_dtype``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
 
-from mla_inductor._compat import CUDAGRAPH_UNSAFE_TAGS
+from mla_inductor._compat import CUDAGRAPH_UNSAFE_TAGS, version_counter
 from mla_inductor.cache import FP8_E4M3_MAX
 from mla_inductor.contract import DECODE_ARG_NAMES, DECODE_ARGS_SCHEMA, DecodeProblem, empty_decode_outputs
 
@@ -46,9 +48,12 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     ``impl(*args)`` computes it; ``returns``: "out_lse" (``(out [T, H, L], lse [T, H] fp32)``), "out" or
     "tensors" (a plan, or ``[out, lse, *plan]``); ``fake(*args)``: the outputs' shapes (default: the
     contract's, from ``empty_decode_outputs``; required for "tensors"). ``host_plan``: the op plans on the
-    host with a device sync: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside) and
-    registered with the low-level Library API, without custom_op's Python layers (autograd wrapper,
-    output checks), which were a measurable share of a host plan run every decode step.
+    host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside).
+
+    Registered with the low-level Library API: the dispatcher calls ``impl`` directly, without the Python
+    layers of ``torch.library.custom_op`` (autograd wrapper, output checks), which cost several times the
+    dispatch itself on every call (these ops run once per layer and step, eagerly or from compiled code).
+    No autograd formula: inference only.
     """
     namespace, name = qualname.split("::")
     plan_arg = ", Tensor[] plan" if takes_plan else "=None"  # ops without a plan may omit sparse_indices
@@ -60,13 +65,10 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
         return impl(*args, *([None] * (arity - len(args))))
 
     full.__doc__ = impl.__doc__
-    if host_plan:
-        lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-        lib.define(name + schema, tags=CUDAGRAPH_UNSAFE_TAGS)
-        lib.impl(name, full, "CompositeExplicitAutograd")
-        torch.library.register_fake(qualname, fake, lib=lib)
-    else:
-        torch.library.custom_op(qualname, full, mutates_args=(), schema=schema).register_fake(fake)
+    lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *(CUDAGRAPH_UNSAFE_TAGS if host_plan else ())))
+    lib.impl(name, full, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualname, fake, lib=lib)
     return getattr(getattr(torch.ops, namespace), name).default
 
 
@@ -187,3 +189,72 @@ def quantize_query_fp8(q: Tensor, q_scale: Optional[Tensor] = None) -> tuple[Ten
         return quantize_per_tensor_e4m3(q) if q_scale is None else quantize_with_descale_e4m3(q, q_scale)
     q8, descale = quantize_query_reference(q, q_scale)
     return q8.contiguous(), descale
+
+
+# ----------------------------------------------------------------------------- plans shared across calls
+
+def tensor_state(t: Optional[Tensor]) -> Optional[tuple]:
+    """What identifies a tensor's contents without reading them: address, shape, strides, dtype, device and
+    version counter (bumped by every write through torch). None for None."""
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version_counter(t))
+
+
+class PlanCache:
+    """The last plan per static configuration, reused while the tensors it was made from are unchanged.
+
+    Inside one compiled graph the Inductor pass plans once for all the calls that share block_table /
+    seq_lens. A step split into separately compiled regions (one per decoder layer), or run eagerly, has a
+    plan op per call instead; a backend keeping its plans here makes the first of them plan and the others
+    reuse that plan until block_table, seq_lens or sparse_indices change. "Unchanged": the same memory, shape,
+    strides and version counter (``tensor_state``). The entry holds the tensors, so their memory cannot be
+    handed to another tensor while it exists.
+
+    Not seen: writes that bypass torch's version counter (a CUDA-graph replay writing seq_lens, a foreign
+    kernel); code writing lengths that way calls ``forget_plans()`` after each write.
+
+    A plan *op* must hand out copies of the stored tensors, never the stored ones: Inductor may reuse the
+    memory of an op's output for another buffer once the output's last reader has run.
+    ``hits`` / ``misses`` count lookups (tests and benchmarks read them).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._entries: dict[Any, tuple[tuple, tuple, Any]] = {}
+        self.hits = 0
+        self.misses = 0
+        _PLAN_CACHES.add(self)
+
+    def get(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor]):
+        """The plan stored for ``config`` (a hashable static description: shapes, dtypes, scale) if it was
+        made from these tensors in their present state, else None."""
+        entry = self._entries.get(config)
+        if entry is not None and entry[0] == (tensor_state(block_table), tensor_state(seq_lens),
+                                              tensor_state(sparse_indices)):
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        return None
+
+    def put(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor], plan) -> None:
+        """Store ``plan`` for ``config`` as made from these tensors now (replacing the previous one)."""
+        state = (tensor_state(block_table), tensor_state(seq_lens), tensor_state(sparse_indices))
+        self._entries[config] = (state, (block_table, seq_lens, sparse_indices), plan)
+
+    def forget(self, config=None) -> None:
+        """Drop the plan of ``config``, or every plan."""
+        if config is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(config, None)
+
+
+_PLAN_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+
+
+def forget_plans() -> None:
+    """Drop every backend's stored plans: for code that writes block_table / seq_lens / sparse_indices in a
+    way torch's version counter does not see (see ``PlanCache``)."""
+    for cache in list(_PLAN_CACHES):
+        cache.forget()

@@ -8,8 +8,14 @@ module is imported on first use through ``flashinfer_module()``.
 
 The wrapper backend, shapes (T = B * Q rows, H heads, L = 512, R = 64, P pages of ``page_size``):
 
-- plan (``mla_flashinfer::plan_<fa2|fa3>``, host sync, tagged ``cudagraph_unsafe``): builds the CSR
+- plan (``mla_flashinfer::plan_<fa2|fa3>``, host work, tagged ``cudagraph_unsafe``): builds the CSR
   description on the device and calls ``wrapper.plan()`` of a wrapper cached per static configuration.
+  FlashInfer schedules on the host from every request's length: dense calls read them from the host copy
+  of seq_lens (``mla_inductor.cache.host_lengths``; ``PagedLatentCache`` keeps one), so the plan never
+  waits for the device; without a host copy, and for sparse calls (each row's number of valid slots is
+  known on the device only), the lengths are copied from the device: one sync per plan. The last plan of
+  each wrapper is kept in ``PLANS`` and reused while block_table / seq_lens / sparse_indices are unchanged,
+  so a step whose layers are compiled separately (or run eagerly) still plans once.
   Dense: one request per sequence, ``qo_indptr[b] = b * Q``, ``kv_indptr[b] = b * max_pages`` and
   ``kv_indices = block_table.flatten()`` (padded CSR: the kernels read only the first
   ``ceil(kv_len / page_size)`` entries after each ``kv_indptr[b]``, so the row's unused tail is never
@@ -21,7 +27,9 @@ The wrapper backend, shapes (T = B * Q rows, H heads, L = 512, R = 64, P pages o
   Returns ``[row_counts int32 [T]]``: how many keys each row really sees (0 -> out 0, lse -inf).
 - run (``mla_flashinfer::run_<fa2|fa3>``, CUDA-graph safe): ``wrapper.run()`` on strided views of the
   one cache tensor (``ckv = cache[..., :L]``, ``kpe = cache[..., L:]``, no copies), lse in natural log
-  (``return_lse_base_on_e=True``), then rows that see nothing are masked on the device.
+  (``return_lse_base_on_e=True``), then rows that see nothing are masked on the device (a kernel launched
+  only where the last plan has such rows, or when captured in a CUDA graph, whose replays may follow plans
+  that have).
 - fp8_e4m3 caches: FlashInfer takes the per-tensor scale as a Python float, which would need
   ``kv_scale.item()`` (a sync, and a constant baked into a CUDA graph). Instead the scale is folded in
   on the device: logits use ``(s * q) . k = q . (s * k)`` and the output ``sum p * (s * v) = s * sum p * v``,
@@ -37,8 +45,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,12 +58,13 @@ from mla_inductor.backends._common import (
     decode_op,
     dims_reason,
     finish_empty_rows,
+    PlanCache,
     kernel_lengths,
     sm,
     static_shape_reason,
     visible_key_counts,
 )
-from mla_inductor.cache import cache_dtype
+from mla_inductor.cache import cache_dtype, host_lengths
 from mla_inductor.contract import DecodeProblem, empty_decode_outputs
 
 Tensor = torch.Tensor
@@ -118,12 +126,12 @@ def workspace(device: torch.device, *, zeroed: bool = False) -> Tensor:
 _wrapper_ids = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class _WrapperKey:
+class _WrapperKey(NamedTuple):
     """One cached ``BatchMLAPagedAttentionWrapper`` per static configuration. The plan op and the run
     op compute the same key from their (fake or real) arguments, which is how a run finds its plan
     without reading a handle on the host. Limit: two plans of equal keys in one graph (two different
-    block tables with identical shapes) share the wrapper, so the later plan wins."""
+    block tables with identical shapes) share the wrapper, so the later plan wins. (A NamedTuple: it is
+    built and hashed by every call.)"""
 
     fi_backend: str
     device: str
@@ -157,13 +165,27 @@ class _PlannedWrapper:
         self.id = next(_wrapper_ids)
         self.key = key
         # plan() reads qo_indptr / kv_indptr / kv_len_arr on the host; the indptrs depend only on the
-        # static configuration, so they live on the host (pinned) and the only device->host copy of a
-        # plan is the lengths.
+        # static configuration, so they live on the host (pinned, never written again) and the lengths
+        # come from the host copy of seq_lens where there is one.
         steps = torch.arange(key.requests + 1, dtype=torch.int32)
         per_request = key.num_indices // max(key.requests, 1)
         self.qo_indptr_host = _pinned(steps * key.qo_len)
         self.kv_indptr_host = _pinned(steps * per_request)
-        self.kv_lens_host = _pinned(torch.zeros(key.requests, dtype=torch.int32))
+        # plan() uploads its schedule from one pinned buffer per wrapper, asynchronously: the next plan
+        # must not rewrite that buffer before the GPU has read it (see wait_for_upload).
+        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        # Whether the last plan has a query row that sees no key (it then needs finish_empty_rows).
+        self.rows_may_be_empty = True
+
+    def wait_for_upload(self) -> None:
+        """Wait for the previous plan's upload, only if the GPU has not reached it yet (the host is then a
+        whole step ahead): FlashInfer writes every plan of this wrapper into the same pinned buffer."""
+        if self.uploaded is not None and not self.uploaded.query():
+            self.uploaded.synchronize()
+
+    def plan_uploaded(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.record()
 
 
 def _pinned(t: Tensor) -> Tensor:
@@ -171,6 +193,9 @@ def _pinned(t: Tensor) -> Tensor:
 
 
 _WRAPPERS: dict[_WrapperKey, _PlannedWrapper] = {}
+# The last plan of each wrapper, reused while block_table / seq_lens / sparse_indices are unchanged: one
+# plan per step when the layers are compiled separately or run eagerly.
+PLANS = PlanCache("flashinfer_wrapper")
 
 
 def _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices) -> _WrapperKey:
@@ -178,50 +203,53 @@ def _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale,
     B, max_pages = block_table.shape
     sparse = sparse_indices is not None
     Q = T // B
-    return _WrapperKey(
-        fi_backend=fi_backend,
-        device=str(q_nope.device),
-        requests=T if sparse else B,
-        qo_len=1 if sparse else Q,
-        num_heads=H,
-        kv_lora_rank=L,
-        rope_dim=q_pe.shape[-1],
-        page_size=1 if sparse else kv_cache.shape[1],
-        num_indices=sparse_indices.numel() if sparse else B * max_pages,
-        q_dtype=q_nope.dtype,
-        kv_dtype=kv_cache.dtype,
-        causal=not sparse and Q > 1,
-        sm_scale=float(softmax_scale),
-    )
+    return _WrapperKey(fi_backend, str(q_nope.device), T if sparse else B, 1 if sparse else Q, H, L, q_pe.shape[-1],
+                       1 if sparse else kv_cache.shape[1], sparse_indices.numel() if sparse else B * max_pages,
+                       q_nope.dtype, kv_cache.dtype, not sparse and Q > 1, float(softmax_scale))
 
 
 def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                  sparse_indices) -> list[Tensor]:
-    """Plan the cached wrapper for this call (host sync). Returns ``[row_counts int32 [T]]``."""
+    """Plan the cached wrapper for this call, or reuse its plan if it was made from these block_table /
+    seq_lens / sparse_indices as they are now. Returns ``[row_counts int32 [T]]``.
+
+    Dense calls read the lengths from their host copy (``mla_inductor.cache.host_lengths``: no sync); without
+    one they are copied from the device (one sync). Sparse calls need each row's count of valid slots on the
+    host, which only the device knows: one device->host copy per plan.
+    """
     key = _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+    counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
+    if counts is not None:
+        return [counts]
     entry = _WRAPPERS.get(key)
     if entry is None:
         entry = _WRAPPERS[key] = _PlannedWrapper(key)
+    entry.wait_for_upload()
     P, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    # Everything the device computes is launched before the sync below, while the GPU is still busy with
-    # earlier work; after it the GPU idles until the host has planned. The page ids go straight into the
-    # wrapper's own buffer, so plan()'s copy into that buffer is a no-op (copy_ of a tensor onto itself).
+    # Device work first (it queues behind earlier work); the page ids go straight into the wrapper's own
+    # buffer, so plan()'s copy into that buffer is a no-op (copy_ of a tensor onto itself).
     kv_indices = entry.kv_indices[:key.num_indices]
     if sparse_indices is None:
         counts = visible_key_counts(seq_lens, q_nope.shape[0])
         clamp_pages(block_table.reshape(-1), P, out=kv_indices)
-        kv_lens = seq_lens
+        lens = host_lengths(seq_lens)
+        if lens is None:
+            lens = seq_lens.cpu()  # no host copy registered: a device->host copy, and its sync
+        empty_rows = bool((lens < key.qo_len).any())  # row j of b sees seq_lens[b] - Q + j + 1 keys
     else:
         compacted, counts = compact_sparse(sparse_indices, P * page_size)
         kv_indices.copy_(compacted.reshape(-1))
-        kv_lens = counts
-    # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided).
-    kv_lens = kernel_lengths(kv_lens)
-    # The plan's one device->host sync: the lengths (FlashInfer schedules on the host).
-    entry.kv_lens_host.copy_(kv_lens)
+        lens = counts.cpu()  # the rows' valid slots, known on the device only: a device->host copy
+        empty_rows = bool((lens == 0).any())
+    # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided); a fresh
+    # pageable tensor, so plan()'s asynchronous upload of it cannot race a later plan.
+    kv_lens = torch.clamp_min(lens, 1)
     entry.wrapper.plan(
-        entry.qo_indptr_host, entry.kv_indptr_host, kv_indices, entry.kv_lens_host, key.num_heads, key.kv_lora_rank,
+        entry.qo_indptr_host, entry.kv_indptr_host, kv_indices, kv_lens, key.num_heads, key.kv_lora_rank,
         key.rope_dim, key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
+    entry.plan_uploaded()
+    entry.rows_may_be_empty = empty_rows
+    PLANS.put(key, block_table, seq_lens, sparse_indices, counts)
     return [counts]
 
 
@@ -239,15 +267,19 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
     out, lse = empty_decode_outputs(q_nope)
     scales = {}
     if kv_cache.dtype == torch.float8_e4m3fn:
-        # The scale folded into q and out on the device (see the module docstring).
-        q_nope = (q_nope * kv_scale).to(q_nope.dtype)
-        q_pe = (q_pe * kv_scale).to(q_pe.dtype)
+        # The scale folded into q and out on the device (see the module docstring): one kernel each,
+        # computed in fp32 and written in q's dtype.
+        q_nope = torch.mul(q_nope, kv_scale, out=torch.empty_like(q_nope))
+        q_pe = torch.mul(q_pe, kv_scale, out=torch.empty_like(q_pe))
         scales = dict(ckv_scale=1.0, kpe_scale=1.0)
     entry.wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, return_lse_base_on_e=True,
                       **scales)
     if scales:
         out.mul_(kv_scale)
-    finish_empty_rows(out, lse, plan[0])
+    # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
+    # launches it, since its replays may follow plans that do.
+    if entry.rows_may_be_empty or (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+        finish_empty_rows(out, lse, plan[0])
     return out, lse
 
 
@@ -256,15 +288,16 @@ def _wrapper_plan_fake(q_nope, *args):
 
 
 def _define_wrapper_ops(fi_backend: str):
-    """``mla_flashinfer::plan_<b>`` (host sync, run outside CUDA graphs) and ``run_<b>`` of one wrapper backend."""
+    """``mla_flashinfer::plan_<b>`` (host work, run outside CUDA graphs) and ``run_<b>`` of one wrapper backend."""
 
     def plan(*args) -> list[Tensor]:
-        return wrapper_plan(fi_backend, *args)
+        # A copy: Inductor may reuse an op's output memory after its last reader, and PLANS keeps the original.
+        return [counts.clone() for counts in wrapper_plan(fi_backend, *args)]
 
     def run(*args) -> tuple[Tensor, Tensor]:
         return wrapper_run(fi_backend, *args)
 
-    plan.__doc__ = (f"Plan FlashInfer's {fi_backend} MLA wrapper for this batch (host sync): returns "
+    plan.__doc__ = (f"Plan FlashInfer's {fi_backend} MLA wrapper for this batch (on the host): returns "
                     f"[row_counts int32 [T]] (keys each query row sees).")
     run.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
                    f"(out [T, H, L], lse [T, H] fp32, natural log).")
@@ -282,6 +315,9 @@ class FlashInferWrapperBackend(Backend):
     """
 
     libraries = ("flashinfer",)
+    plans_on_host = True
+    plan_cost = ("a host plan per graph (FlashInfer's scheduler on the CPU; it runs outside CUDA graphs, and "
+                 "copies the lengths from the device where no host copy is registered)")
 
     def __init__(self, name: str, fi_backend: str, capability_reason):
         self.name = name

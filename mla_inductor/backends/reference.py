@@ -11,6 +11,7 @@ from mla_inductor.reference import cache_append_reference, paged_decode_referenc
 
 class ReferenceBackend(Backend):
     name = "reference"
+    last_resort = True
 
     def supports(self, problem, capability):
         return None

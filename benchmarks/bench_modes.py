@@ -1,0 +1,563 @@
+"""The op in every way a user runs it, against the fastest peer called directly.
+
+    python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--time-limit 510] [--out DIR]
+
+Parts (each selectable with ``--parts``; all by default):
+
+a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32, 128}, H in {16, 128},
+   bf16 and fp8_e4m3 caches, S=4096, page 64. Each call has its own query and its own cache (copies of one,
+   reused past 16 GB), all share block_table / seq_lens. Microseconds per call (step time / 61) for ours
+   eager (``torch.ops.mla.paged_decode`` in a Python loop), compiled (``torch.compile``, no CUDA graphs) and
+   compiled with CUDA graphs (``mode="reduce-overhead"``), against every peer found (FlashMLA from
+   ``flash_mla`` or vLLM's build, FlashInfer FA3 / FA2) making the same 61 calls by its own Python call
+   with its plan made once outside the loop. Ours plans once per step: before every step seq_lens is marked
+   written (its version counter bumped, its host copy registered again, as ``PagedLatentCache.reserve``
+   leaves it), so a plan cached from the previous step is never reused. Targets: ours / fastest peer
+   <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs).
+b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
+   plan included, against the fastest peer's single call (plan outside). Target <= 1.3.
+c. One compiled function called at B = 4, 8, 16, 64 in turn (H=128, S=4096, a step of ``--c-calls`` calls,
+   CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile`` (automatic dynamic), with
+   ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for that B alone. Target:
+   <= 1.05 at every B, and the same backend.
+d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real attention dims, small dense
+   MLP), context 4096, one decode step (``mla_inductor.hf.decode_one_token``) in four modes: the whole step
+   compiled, with and without CUDA graphs, and each decoder layer compiled on its own (regional
+   compilation), with and without CUDA graphs (with ``torch.compiler.cudagraph_mark_step_begin()`` before
+   every step), at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches. Target: per layer + CUDA graphs
+   <= 1.1x the whole step with CUDA graphs.
+
+Timing: ``triton.testing.do_bench`` median (parts a-c; L2 flushed before each measured step), mean wall time
+of 20 steps after warm-up with a device sync around them (part d). Every result is checked against the fp32
+reference (relative error printed). Peers are found by import; one not installed is reported and skipped.
+Each part prints its rows as it goes; ``--time-limit`` (seconds, for the whole run) stops starting new rows
+once spent, and the report marks what was not run. ``--out DIR`` writes bench_modes.md and bench_modes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import peers as peer_kernels
+import torch
+from report import (
+    add_out_argument,
+    environment,
+    environment_line,
+    markdown_table,
+    median_ms,
+    progress,
+    relative_error,
+    require_gpu,
+    write_results,
+)
+
+import mla_inductor
+
+D_CKV = 512
+S = 4096
+CALLS = 61
+CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
+PEERS_BF16 = ("flashmla", "sgl_flashmla", "flashinfer_fa3", "flashinfer_fa2")
+PEERS_FP8 = ("flashmla_fp8", "sgl_flashmla_fp8", "flashinfer_fa3_fp8", "flashinfer_fa2_fp8")
+TARGETS = {"eager": 1.5, "compiled": 1.2, "cudagraphs": 1.0, "one_call": 1.3, "dynamic": 1.05, "per_layer": 1.1}
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+class Deadline:
+    """The run's time budget: parts ask before starting a row and skip it once the budget is spent."""
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+    def spent(self) -> bool:
+        return self.left() <= 0
+
+
+@dataclass
+class Results:
+    rows: dict[str, list[dict]] = field(default_factory=lambda: {"a": [], "b": [], "c": [], "d": []})
+    skipped: dict[str, list[str]] = field(default_factory=lambda: {"a": [], "b": [], "c": [], "d": []})
+
+    def add(self, part: str, row: dict) -> None:
+        self.rows[part].append(row)
+        progress(f"  [{part}] " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
+
+    def skip(self, part: str, what: str, why: str) -> None:
+        self.skipped[part].append(f"{what}: {why}")
+        progress(f"  [{part}] {what}: not run ({why})")
+
+
+def _show(v):
+    return f"{v:.3g}" if isinstance(v, float) else v
+
+
+def _ratio(ours: Optional[float], peer: Optional[float]) -> Optional[float]:
+    return ours / peer if ours is not None and peer else None
+
+
+def _free() -> None:
+    torch.compiler.reset()  # frees compiled graphs, their CUDA-graph pools and cached inputs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- cases and steps
+
+def mark_new_step(seq_lens: torch.Tensor, host_lens: torch.Tensor) -> None:
+    """Leave seq_lens as a decode step's bookkeeping leaves it (``PagedLatentCache.reserve``): written (its
+    version counter moves, so no plan of the previous step is reused) and its host copy registered. The
+    values stay, so every step times the same work."""
+    torch.autograd.graph.increment_version(seq_lens)
+    mla_inductor.register_host_lengths(seq_lens, host_lens)
+
+
+def mark_static(tensors) -> None:
+    """CUDA-graph trees copy every input whose address may change; caches are marked static, as
+    ``PagedLatentCache`` does for its tensors."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.mark_static_address(t)
+
+
+def layer_caches(kv_cache: torch.Tensor, calls: int, budget: int = CACHE_COPIES_BYTES) -> list:
+    """One cache per call as each layer has its own (a shared one would sit in L2 from the previous call),
+    at most ``budget`` bytes of copies, reused in turn beyond (each then far larger than L2)."""
+    size = kv_cache.numel() * kv_cache.element_size()
+    copies = max(1, min(calls, budget // max(size, 1)))
+    return [kv_cache] + [kv_cache.clone() for _ in range(copies - 1)]
+
+
+@dataclass
+class Case:
+    """One (B, H, cache format) case: peers.make_case's data plus what our op takes."""
+
+    B: int
+    H: int
+    fmt: str
+    c: dict
+    kv_cache: torch.Tensor
+    kv_scale: torch.Tensor
+    cache_key: str  # the entry of ``c`` holding the cache the peers read
+    reference: torch.Tensor
+    host_lens: torch.Tensor
+
+    @property
+    def label(self) -> str:
+        return f"B={self.B} H={self.H} {self.fmt}"
+
+
+def make_case(B: int, H: int, fmt: str, seed: int = 0) -> Case:
+    c = peer_kernels.make_case(B, H, S, seed=seed)
+    if fmt == "bf16":
+        kv_cache, kv_scale, key, ref = c["cache"], torch.ones(1, device="cuda"), "cache", peer_kernels.reference(c)
+    else:
+        kv_cache, k_scale = peer_kernels.fp8_cache(c)
+        kv_scale, key, ref = k_scale.reshape(1).float(), "cache_fp8", c["ref_fp8"]
+    host = c["lens"].cpu()
+    mla_inductor.register_host_lengths(c["lens"], host)
+    return Case(B, H, fmt, c, kv_cache, kv_scale, key, ref, host)
+
+
+def queries(case: Case, calls: int) -> list:
+    q = case.c["q"]
+    return [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
+
+
+def decode_calls(scale: float):
+    """A step of decode calls sharing one page table, each on its own query and cache; q_nope / q_pe are
+    slices of one [T, H, 576] query (the layout the kernels read)."""
+
+    def step(qs, caches, block_table, seq_lens, kv_scale):
+        return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
+                                           seq_lens, scale, kv_scale) for i, q in enumerate(qs)]
+
+    return step
+
+
+def decisions_during(fn: Callable[[], object], lower_afresh: bool = True) -> tuple[object, list[str]]:
+    """(fn's result, the backends the pass chose while it ran). ``lower_afresh``: Inductor's graph caches are
+    bypassed (a graph served from them runs no pass and records nothing); parts a-c compile graphs of
+    opaque calls, cheap to lower again."""
+    from mla_inductor.lowering import decisions
+
+    before = set(decisions())
+    if lower_afresh:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            result = fn()
+    else:
+        result = fn()
+    return result, sorted({d.backend for d in decisions() if d not in before})
+
+
+class OurStep:
+    """Our op making ``len(qs)`` calls per step in one mode: "eager", "compiled" or "cudagraphs"."""
+
+    def __init__(self, case: Case, qs: list, caches: list, mode: str):
+        self.case, self.mode = case, mode
+        c = case.c
+        self.args = (qs, caches, c["block_table"], c["lens"], case.kv_scale)
+        step = decode_calls(c["scale"])
+        if mode == "eager":
+            self.fn, self.backends = step, [mla_inductor.backend_for_call(
+                qs[0][..., :D_CKV], qs[0][..., D_CKV:], case.kv_cache, c["block_table"], c["lens"], c["scale"],
+                case.kv_scale).backend]
+        else:
+            torch.compiler.reset()
+            if mode == "cudagraphs":
+                mark_static([*qs, *caches, c["block_table"], c["lens"], case.kv_scale])
+            self.fn = torch.compile(step, fullgraph=True, mode="reduce-overhead" if mode == "cudagraphs" else None)
+            _, self.backends = decisions_during(self.run)  # compiles
+        for _ in range(2):  # CUDA graphs: warm-up, record
+            self.run()
+        self.first = self.run()[0].clone()
+
+    def run(self):
+        mark_new_step(self.case.c["lens"], self.case.host_lens)
+        return self.fn(*self.args)
+
+    def us_per_call(self) -> float:
+        return median_ms(self.run) * 1e3 / len(self.args[0])
+
+
+def peer_steps(case: Case, qs: list, caches: list, names: tuple, results: Results, part: str):
+    """{peer: (zero-argument function making len(qs) calls, its first output)} for the peers that run here;
+    each call on its own query and cache, the peer's plan made once, outside."""
+    makers = peer_kernels.PEERS
+    steps = {}
+    for name in names:
+        try:
+            fns = [makers[name](dict(case.c, q=qs[i], **{case.cache_key: caches[i]})) for i in range(len(caches))]
+            first = fns[0]().reshape(case.B, case.H, D_CKV).clone()
+
+            def run(fns=fns, calls=len(qs)):
+                for i in range(calls):
+                    fns[i % len(fns)]()
+
+            run()
+            steps[name] = (run, first)
+        except peer_kernels.PeerMissing as e:
+            results.skip(part, f"peer {name}", f"not installed: {e}")
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+            results.skip(part, f"peer {name}", f"failed: {type(e).__name__}: {str(e)[:160]}")
+    return steps
+
+
+def fastest(times: dict[str, float]) -> tuple[Optional[str], Optional[float]]:
+    if not times:
+        return None, None
+    name = min(times, key=times.get)
+    return name, times[name]
+
+
+# ----------------------------------------------------------------------------- part a and b
+
+CASES = [(B, H, fmt) for fmt in ("bf16", "fp8_e4m3") for H in (128, 16) for B in (1, 32, 128)]
+QUICK_CASES = [(1, 128, "bf16"), (32, 128, "bf16"), (1, 128, "fp8_e4m3"), (128, 16, "bf16")]
+
+
+def part_ab(cases, parts: str, deadline: Deadline, results: Results) -> None:
+    for B, H, fmt in cases:
+        label = f"B={B} H={H} {fmt}"
+        if deadline.spent():
+            for p in "ab":
+                if p in parts:
+                    results.skip(p, label, "time limit")
+            continue
+        progress(f"## {label}")
+        try:
+            case = make_case(B, H, fmt)
+            if "a" in parts:
+                back_to_back(case, results, deadline)
+            if "b" in parts and not deadline.spent():
+                one_call(case, results)
+            elif "b" in parts:
+                results.skip("b", label, "time limit")
+        except Exception as e:  # noqa: BLE001 - one case failing must not stop the others
+            traceback.print_exc()
+            results.skip("a" if "a" in parts else "b", label, f"failed: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            _free()
+
+
+def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
+    qs = queries(case, CALLS)
+    caches = layer_caches(case.kv_cache, CALLS)
+    names = PEERS_BF16 if case.fmt == "bf16" else PEERS_FP8
+    peer_times = {}
+    for name, (run, first) in peer_steps(case, qs, caches, names, results, "a").items():
+        peer_times[name] = median_ms(run) * 1e3 / CALLS
+        progress(f"  peer {name:<20} {peer_times[name]:8.1f} us/call  err={relative_error(first, case.reference):.1e}")
+    best_name, best = fastest(peer_times)
+    row = dict(case=case.label, best_peer=best_name, peer_us=best)
+    for mode in ("eager", "compiled", "cudagraphs"):
+        if deadline.spent():
+            row[f"{mode}_us"] = "time limit"
+            continue
+        try:
+            ours = OurStep(case, qs, caches, mode)
+            us = ours.us_per_call()
+            row[f"{mode}_us"], row[f"{mode}_ratio"] = us, _ratio(us, best)
+            row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
+            row[f"{mode}_err"] = relative_error(ours.first.float(), case.reference)
+            del ours
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row[f"{mode}_us"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        _free()
+    results.add("a", row)
+
+
+def one_call(case: Case, results: Results) -> None:
+    """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it)."""
+    qs, caches = [case.c["q"]], [case.kv_cache]
+    names = PEERS_BF16 if case.fmt == "bf16" else PEERS_FP8
+    peer_times = {name: median_ms(run) * 1e3 for name, (run, _) in peer_steps(case, qs, caches, names, results,
+                                                                              "b").items()}
+    best_name, best = fastest(peer_times)
+    row = dict(case=case.label, best_peer=best_name, peer_us=best)
+    for mode in ("compiled", "cudagraphs"):
+        try:
+            ours = OurStep(case, qs, caches, mode)
+            us = ours.us_per_call()
+            row[f"{mode}_us"], row[f"{mode}_ratio"] = us, _ratio(us, best)
+            row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
+            row[f"{mode}_err"] = relative_error(ours.first.float(), case.reference)
+            del ours
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row[f"{mode}_us"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        _free()
+    results.add("b", row)
+
+
+# ----------------------------------------------------------------------------- part c
+
+C_BATCHES = (4, 8, 16, 64)
+C_MODES = ("automatic", "dynamic=True", "mark_dynamic")
+
+
+def part_c(fmts, calls: int, cudagraphs: bool, deadline: Deadline, results: Results) -> None:
+    for fmt in fmts:
+        progress(f"## c: {fmt}, H=128, {calls} calls per step, {'CUDA graphs' if cudagraphs else 'no CUDA graphs'}")
+        cases = {B: make_case(B, 128, fmt, seed=B) for B in C_BATCHES}
+        inputs = {B: (queries(cases[B], calls), [cases[B].kv_cache]) for B in C_BATCHES}
+        alone = {}
+        for B in C_BATCHES:  # the reference: a step compiled for this B only
+            if deadline.spent():
+                results.skip("c", f"{fmt} B={B} alone", "time limit")
+                continue
+            torch.compiler.reset()
+            alone[B] = _timed_dynamic(cases[B], *inputs[B], None, cudagraphs, dynamic=False)
+        for mode in C_MODES:
+            if deadline.spent():
+                results.skip("c", f"{fmt} {mode}", "time limit")
+                continue
+            torch.compiler.reset()
+            step = torch.compile(decode_calls(cases[C_BATCHES[0]].c["scale"]), fullgraph=True,
+                                 dynamic=True if mode == "dynamic=True" else None,
+                                 mode="reduce-overhead" if cudagraphs else None)
+            serving = []  # the backends of the graph the last new compile made (later B reuse it)
+            for B in C_BATCHES:
+                if B not in alone:
+                    continue
+                try:
+                    us, backends, err = _timed_dynamic(cases[B], *inputs[B], step, cudagraphs,
+                                                       mark=mode == "mark_dynamic")
+                    serving = backends or serving
+                    ref_us, ref_backends, _ = alone[B]
+                    results.add("c", dict(fmt=fmt, mode=mode, B=B, us_per_call=us, alone_us=ref_us,
+                                          ratio=_ratio(us, ref_us), recompiled=bool(backends),
+                                          backend=",".join(serving), alone_backend=",".join(ref_backends), err=err))
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    results.skip("c", f"{fmt} {mode} B={B}", f"failed: {type(e).__name__}: {str(e)[:160]}")
+        del cases, inputs
+        _free()
+
+
+def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, dynamic: bool = True, mark: bool = False):
+    """(us per call, backends the pass chose for this call's graph, error) of ``step`` (None: a new one
+    compiled for these sizes alone) at this case's B."""
+    c = case.c
+    if step is None:
+        step = torch.compile(decode_calls(c["scale"]), fullgraph=True, dynamic=False,
+                             mode="reduce-overhead" if cudagraphs else None)
+    args = (qs, caches, c["block_table"], c["lens"], case.kv_scale)
+    if mark:
+        for t in (*qs, *caches, c["block_table"], c["lens"]):
+            torch._dynamo.mark_dynamic(t, 0)
+    if cudagraphs:
+        mark_static([*qs, *caches, c["block_table"], c["lens"], case.kv_scale])
+
+    def run():
+        mark_new_step(c["lens"], case.host_lens)
+        return step(*args)
+
+    out, backends = decisions_during(run)
+    for _ in range(2):
+        out = run()
+    err = relative_error(out[0].float(), case.reference)
+    return median_ms(run) * 1e3 / len(qs), backends, err
+
+
+# ----------------------------------------------------------------------------- part d
+
+D_MODES = ("whole+cudagraphs", "per_layer+cudagraphs", "whole", "per_layer")
+
+
+def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> None:
+    """The HF model's decode step in each mode; the acceptance pair (per layer vs whole, with CUDA graphs)
+    first for every configuration, the modes without CUDA graphs after, as time allows."""
+    import bench_e2e
+
+    from mla_inductor import hf
+
+    model_args = argparse.Namespace(small=False, layers=layers, intermediate=2048, vocab=32768)
+    model = bench_e2e.build_model(model_args, torch.device("cuda"), torch.bfloat16)
+    configs = [(fmt, B) for fmt in fmts for B in batches]
+    measured: dict[tuple, dict] = {cfg: {} for cfg in configs}
+    for modes in (D_MODES[:2], D_MODES[2:]):
+        for fmt, B in configs:
+            for mode in modes:
+                if deadline.spent():
+                    results.skip("d", f"{fmt} B={B} {mode}", "time limit")
+                    continue
+                try:
+                    measured[(fmt, B)][mode] = hf_step_ms(model, hf, bench_e2e, fmt, B, mode)
+                    progress(f"  [d] {fmt} B={B} {mode}: {measured[(fmt, B)][mode]}")
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    measured[(fmt, B)][mode] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+                finally:
+                    _free()
+    for (fmt, B), by_mode in measured.items():
+        row = dict(fmt=fmt, B=B)
+        for mode in D_MODES:
+            m = by_mode.get(mode, {})
+            row[f"{mode}_ms"] = m.get("ms", m.get("error", "not run"))
+            row[f"{mode}_backend"] = m.get("backends")
+        row["per_layer_ratio"] = _ratio(*(by_mode.get(m, {}).get("ms") for m in ("per_layer+cudagraphs",
+                                                                                 "whole+cudagraphs")))
+        results.add("d", row)
+
+
+def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int = S, warmup: int = 5,
+               iters: int = 20) -> dict:
+    """Mean ms of one decode step of the patched model in ``mode``, and the backends the pass chose."""
+    cache = hf.allocate_cache(model, batch_size=B, max_seq_len=context + 1, fmt=fmt)
+    hf.patch_deepseek(model, cache)
+    bench_e2e.fill_random(cache, context)
+    slots = cache.reserve(1)  # rewritten every step: the context stays fixed
+    tokens = torch.randint(1, model.config.vocab_size, (B,), device="cuda")
+    cudagraphs = mode.endswith("+cudagraphs")
+    compile_mode = "reduce-overhead" if cudagraphs else None
+    per_layer = mode.startswith("per_layer")
+    layers = model.model.layers
+    if per_layer:  # regional compilation: every decoder layer compiled on its own (one graph, reused)
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, fullgraph=True, mode=compile_mode)
+        step = hf.decode_one_token
+    else:
+        step = torch.compile(hf.decode_one_token, fullgraph=True, mode=compile_mode)
+
+    def run():
+        mark_new_step(cache.seq_lens, cache.host_seq_lens)
+        if per_layer and cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the layers' graphs may overwrite outputs
+        return step(model, tokens, slots)
+
+    try:
+        with torch.no_grad():
+            _, backends = decisions_during(run, lower_afresh=False)
+            ms = bench_e2e.time_ms(run, torch.device("cuda"), warmup, iters)
+        return dict(ms=ms, backends=",".join(backends) or "cached graph")
+    finally:
+        if per_layer:
+            for layer in layers:
+                del layer.forward  # back to the class's forward
+
+
+# ----------------------------------------------------------------------------- report
+
+def markdown(results: Results, env: dict, args) -> str:
+    out = [f"# bench_modes: {environment_line(env)}", ""]
+    sections = {
+        "a": ("a. 61 calls back to back, us per call (ours / fastest peer's direct call; targets eager <= 1.5, "
+              "compiled <= 1.2, CUDA graphs <= 1.0)",
+              ["case", "best_peer", "peer_us", "eager_us", "eager_ratio", "compiled_us", "compiled_ratio",
+               "cudagraphs_us", "cudagraphs_ratio", "eager_backend", "compiled_backend", "cudagraphs_backend",
+               "eager_err", "compiled_err", "cudagraphs_err"]),
+        "b": ("b. one-call compiled graph vs the fastest peer's single call (target <= 1.3)",
+              ["case", "best_peer", "peer_us", "compiled_us", "compiled_ratio", "cudagraphs_us", "cudagraphs_ratio",
+               "compiled_backend", "cudagraphs_backend", "compiled_err", "cudagraphs_err"]),
+        "c": ("c. one compiled function at B = 4, 8, 16, 64 vs the step compiled for that B alone (target <= 1.05, "
+              "same backend)",
+              ["fmt", "mode", "B", "us_per_call", "alone_us", "ratio", "recompiled", "backend", "alone_backend",
+               "err"]),
+        "d": ("d. 8-layer DeepSeek-V3-shaped HF model, ms per decode step (target: per layer + CUDA graphs <= 1.1x "
+              "the whole step with CUDA graphs)",
+              ["fmt", "B", *[f"{m}_ms" for m in D_MODES], "per_layer_ratio", *[f"{m}_backend" for m in D_MODES]]),
+    }
+    for part, (title, columns) in sections.items():
+        if part not in args.parts:
+            continue
+        out += [f"## {title}", "", markdown_table(columns, results.rows[part]) if results.rows[part] else "(no rows)"]
+        if results.skipped[part]:
+            out += ["", "Not run / not measured:", *[f"- {s}" for s in results.skipped[part]]]
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
+    p.add_argument("--quick", action="store_true", help="a few cases per part (a smoke run of the script)")
+    p.add_argument("--time-limit", type=float, default=510.0,
+                   help="seconds for the whole run; rows not started by then are reported as not run")
+    p.add_argument("--c-calls", type=int, default=CALLS, help="calls per step in part c")
+    p.add_argument("--c-no-cudagraphs", dest="c_cudagraphs", action="store_false",
+                   help="part c without CUDA graphs (default: with)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers of the HF model in part d")
+    add_out_argument(p)
+    args = p.parse_args(argv)
+    args.parts = "".join(ch for ch in args.parts if ch in "abcd")
+    require_gpu("bench_modes.py")
+    deadline = Deadline(args.time_limit)
+    env = environment(("flashinfer", "flash_mla", "vllm", "transformers"))
+    progress(f"# {environment_line(env)}")
+    results = Results()
+    started = time.perf_counter()
+    if "a" in args.parts or "b" in args.parts:
+        progress("# parts a/b: 61 calls back to back; one-call graphs")
+        part_ab(QUICK_CASES if args.quick else CASES, args.parts, deadline, results)
+    if "c" in args.parts:
+        progress("# part c: one function, changing batch sizes")
+        part_c(("bf16",) if args.quick else ("bf16", "fp8_e4m3"), args.c_calls, args.c_cudagraphs, deadline, results)
+    if "d" in args.parts:
+        progress("# part d: HF model modes")
+        try:
+            part_d((1, 16) if args.quick else (1, 16, 64), ("bf16", "fp8_e4m3") if args.quick else
+                   ("bf16", "fp8_e4m3", "fp8_ds_mla"), args.layers, deadline, results)
+        except Exception as e:  # noqa: BLE001 - e.g. transformers missing
+            traceback.print_exc()
+            results.skip("d", "HF model", f"failed: {type(e).__name__}: {str(e)[:200]}")
+    progress(f"# done in {time.perf_counter() - started:.0f} s")
+    text = markdown(results, env, args)
+    print(text)
+    write_results(args.out, "bench_modes", text, {"environment": env, "rows": results.rows,
+                                                  "not_run": results.skipped, "targets": TARGETS})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""The op in every way a user runs it, checked on any machine:
+
+- dynamic shapes select like static ones: graphs traced on fake CUDA tensors with symbolic sizes (the
+  capability faked, every backend treated as installed), and torch.compile's automatic dynamic,
+  ``dynamic=True`` and ``mark_dynamic`` on CPU tensors, whose calls the pass records and which are then
+  selected for an H100;
+- one plan per step however the step is split (separately compiled regions, eager calls), and a new one
+  after seq_lens changes;
+- a one-call graph's selection names the plan cost it could not amortize.
+
+The same modes on a GPU, kernels and syncs included: tests/test_modes_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.testing import FileCheck
+
+import mla_inductor
+from mla_inductor.backends import flashmla, get_backend, registered_backends
+from mla_inductor.selection import CallContext, select_backend
+from mla_inductor.testing import make_decode_inputs, relative_error
+
+EVERYTHING = {name: None for name in registered_backends()}
+SM90 = (9, 0)
+H, PAGES = 16, 8
+FORMATS = {"bf16": (torch.bfloat16, 576), "fp8_e4m3": (torch.float8_e4m3fn, 576)}
+# Small calls compile fast on CPU; their recorded problems are selected with DeepSeek's dims (``on_h100``).
+SMALL = dict(kv_lora_rank=32, rope_dim=16, page_size=4, num_heads=3, q_dtype=torch.bfloat16, fmt="bf16")
+
+
+def on_h100(problem):
+    """A problem recorded on CPU with SMALL's dims, as the same call with DeepSeek-V3's dims on an H100."""
+    assert (problem.kv_lora_rank, problem.rope_dim, problem.page_size, problem.num_heads) == (32, 16, 4, 3), problem
+    return dataclasses.replace(problem, device_type="cuda", kv_lora_rank=512, rope_dim=64, page_size=64, num_heads=H)
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """An H100 with every backend library installed, as the pass sees it."""
+    from mla_inductor import backends
+    from mla_inductor.lowering import graph_pass
+
+    monkeypatch.setattr(backends, "availability", lambda: dict(EVERYTHING))
+    monkeypatch.setattr(flashmla, "metadata_shape", lambda *args: (132, 8))  # measured on the GPU otherwise
+    monkeypatch.setattr(graph_pass, "device_capability", lambda device: SM90)
+
+
+def layers(n: int):
+    """A step of ``n`` decode calls sharing block_table / seq_lens, each on its own cache."""
+
+    def step(q_nope, q_pe, block_table, seq_lens, kv_scale, *caches):
+        h = q_nope
+        for cache in caches[:n]:
+            h = torch.ops.mla.paged_decode(h, q_pe, cache, block_table, seq_lens, 0.07, kv_scale)
+        return h
+
+    return step
+
+
+class Sizes:
+    """Sizes for fake tensors: ints, or backed / unbacked SymInts of one ShapeEnv (what Dynamo makes for
+    ``dynamic=True`` / ``mark_dynamic`` and for ``mark_unbacked``)."""
+
+    def __init__(self):
+        self.env = ShapeEnv()
+        self.mode = FakeTensorMode(shape_env=self.env, allow_non_fake_inputs=True)
+
+    def symbolic(self, name: str, value: int):
+        symbol = self.env.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return self.env.create_symintnode(symbol, hint=value, source=ConstantSource(name))
+
+    def unbacked(self):
+        return self.env.create_unbacked_symint()
+
+
+def lowered(calls: int, fmt: str, B, T=None, heads=H, sizes: Sizes | None = None, captured: bool = False):
+    """``layers(calls)`` traced on fake CUDA tensors of these sizes, then rewritten by our pass; returns
+    (generated code, the decisions it made)."""
+    from torch._inductor.virtualized import V
+
+    from mla_inductor.lowering import MLALoweringPass, decisions
+
+    sizes = sizes or Sizes()
+    dtype, width = FORMATS[fmt]
+    T = B if T is None else T
+    with sizes.mode:
+        cuda = dict(device="cuda")
+        args = [torch.empty(T, heads, 512, dtype=torch.bfloat16, **cuda),
+                torch.empty(T, heads, 64, dtype=torch.bfloat16, **cuda),
+                torch.zeros(B, PAGES, dtype=torch.int32, **cuda), torch.ones(B, dtype=torch.int32, **cuda),
+                torch.ones(1, dtype=torch.float32, **cuda)]
+        args += [torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda) for _ in range(calls)]
+    gm = make_fx(layers(calls), tracing_mode="symbolic")(*args)
+    before = set(decisions())
+    with V.set_fake_mode(sizes.mode), sizes.mode, torch._inductor.config.patch({"triton.cudagraphs": captured}):
+        MLALoweringPass()(gm.graph)
+    gm.recompile()
+    return gm.code, [d for d in decisions() if d not in before]
+
+
+def _run_ops(backend: str) -> list[str]:
+    b = get_backend(backend)
+    ops = [b.compiled_op(), b.out_only_op(), b.decode_and_plan_op()]
+    return [op.name().split("::")[1] for op in ops if op is not None]
+
+
+# ----------------------------------------------------------------------------- dynamic shapes choose like static
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_symbolic_batch_selects_like_the_static_one(fake_sm90, fmt):
+    """B, T and H symbolic, as ``dynamic=True`` makes them: H is fixed to its traced value by a guard, Q = T / B
+    by a guard, and B (traced 8) falls in the class B > 1, whose backend is the static B=8's."""
+    _, (static,) = lowered(1, fmt, B=8)
+    sizes = Sizes()
+    B, T, heads = sizes.symbolic("B", 8), sizes.symbolic("T", 8), sizes.symbolic("H", H)
+    code, (symbolic,) = lowered(1, fmt, B=B, T=T, heads=heads, sizes=sizes)
+    assert symbolic.backend == static.backend == "flashmla"
+    assert symbolic.problem == dataclasses.replace(static.problem, batch=None)
+    assert "num_heads: specialized to 16" in symbolic.notes
+    assert "batch: symbolic (traced 8), class B > 1" in symbolic.notes
+    assert any(note.startswith("q_per_seq: specialized to 1") for note in symbolic.notes)
+    guards = [str(g.expr) for g in sizes.env.guards]
+    assert any(g.endswith(f", {H})") and g.startswith("Eq(") for g in guards), guards  # H == 16 guarded
+    FileCheck().check_not("torch.ops.mla.paged_decode").check("mla_flashmla").run(code)
+
+
+def test_the_batch_class_follows_the_table():
+    """Static B=1 takes the B=1 row (FA3 on an H100 with bf16), a symbolic or unbacked B the B > 1 row."""
+    from mla_inductor.info import example_problem
+
+    one = select_backend(example_problem("cuda", "bf16", False, H, 64, batch=1), SM90, available=EVERYTHING,
+                         preference=())
+    assert one.backend == "flashinfer_fa3"
+
+
+@pytest.fixture
+def planned_backend():
+    import planned_backend as pb
+
+    from mla_inductor import backends
+
+    backends.register_backend("planned_test", "planned_backend")
+    pb.PLANS.forget()
+    pb.PLANS_MADE.clear()
+    yield pb
+    backends.unregister_backend("planned_test")
+
+
+def _decisions_of(compile_and_run) -> list:
+    from mla_inductor.lowering import decisions
+
+    before = set(decisions())
+    compile_and_run()
+    return [d for d in decisions() if d not in before]
+
+
+@pytest.mark.parametrize("mode", ["automatic", "dynamic=True", "mark_dynamic"])
+def test_compile_modes_select_like_static_for_every_batch(planned_backend, mode):
+    """One compiled function called at B = 4, 8, 16: each graph the pass lowers (static first under
+    automatic dynamic, symbolic after) is selected, on an H100, like a graph compiled for that B alone.
+    The calls run here on CPU tensors, on the planned test backend (an opaque op: nothing for Inductor to
+    compile to C++), checked against eager; the problems the pass recorded are what is selected."""
+    torch._dynamo.reset()
+    kw = SMALL
+    compiled = torch.compile(layers(1), dynamic=True if mode == "dynamic=True" else None)
+    from torch._inductor.utils import fresh_cache
+
+    def run_all():
+        with fresh_cache(), mla_inductor.prefer_backends("planned_test"):  # a cached graph would skip the pass
+            for i, B in enumerate((4, 8, 16)):
+                x = make_decode_inputs(seq_lens=[(7 * b + i) % 11 + 1 for b in range(B)], max_pages=3, seed=i, **kw)
+                args = (x.q_nope, x.q_pe, x.block_table, x.seq_lens, x.kv_scale, x.kv_cache)
+                if mode == "mark_dynamic":
+                    for t in args[:4]:
+                        torch._dynamo.mark_dynamic(t, 0)
+                assert relative_error(compiled(*args), layers(1)(*args)) < 1e-2
+
+    recorded = _decisions_of(run_all)
+    assert recorded, "the pass made no decision"
+    for d in recorded:
+        assert None not in (d.problem.num_heads, d.problem.kv_lora_rank, d.problem.page_size, d.problem.q_per_seq), d
+        problem = on_h100(d.problem)
+        chosen = select_backend(problem, SM90, available=EVERYTHING, preference=(), context=d.context).backend
+        for B in (4, 8, 16):
+            alone = select_backend(dataclasses.replace(problem, batch=B), SM90, available=EVERYTHING, preference=(),
+                                   context=d.context).backend
+            assert chosen == alone == "flashmla", (d, B)
+    symbolic = [d for d in recorded if d.problem.batch is None]
+    assert symbolic, "no graph had a symbolic batch"
+
+
+def test_an_unbacked_batch_takes_the_largest_class(planned_backend):
+    """``mark_unbacked`` batch dims (no value to guard on): the class above every batch limit, B=1 included
+    in the same graph; the step says T == B (one new token per sequence), so Q is known without a guard."""
+    torch._dynamo.reset()
+    kw = SMALL
+
+    def step(q_nope, q_pe, block_table, seq_lens, kv_scale, kv_cache):
+        torch._check(q_nope.shape[0] == block_table.shape[0])
+        return layers(1)(q_nope, q_pe, block_table, seq_lens, kv_scale, kv_cache)
+
+    compiled = torch.compile(step, fullgraph=True)
+    from torch._inductor.utils import fresh_cache
+
+    def run_all():
+        with fresh_cache(), mla_inductor.prefer_backends("planned_test"):
+            for i, B in enumerate((1, 3, 6)):
+                x = make_decode_inputs(seq_lens=[(7 * b + i) % 11 + 1 for b in range(B)], max_pages=3, seed=i, **kw)
+                args = (x.q_nope, x.q_pe, x.block_table, x.seq_lens, x.kv_scale, x.kv_cache)
+                for t in args[:4]:
+                    torch._dynamo.decorators.mark_unbacked(t, 0)
+                assert relative_error(compiled(*args), step(*args)) < 1e-2
+
+    (decision,) = _decisions_of(run_all)
+    assert decision.problem.batch is None and decision.problem.q_per_seq == 1
+    assert any(note.startswith("batch: unbacked") for note in decision.notes), decision.notes
+    problem = on_h100(decision.problem)
+    assert select_backend(problem, SM90, available=EVERYTHING, preference=()).backend == "flashmla"
+
+
+# ----------------------------------------------------------------------------- one plan per step
+
+
+def test_one_plan_per_step_across_separately_compiled_regions(planned_backend):
+    """Three layers compiled one by one (regional compilation), then run eagerly: the first call of a step
+    plans, the others reuse its plan; a new step (seq_lens written) plans again, once."""
+    x = make_decode_inputs(seq_lens=[5, 17, 9], kv_lora_rank=32, rope_dim=16, page_size=4, num_heads=3,
+                           q_dtype=torch.float32, fmt="fp32")
+    caches = [x.kv_cache.clone() for _ in range(3)]
+
+    def layer(h, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+        return torch.ops.mla.paged_decode(h, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends("planned_test"):
+        regions = [torch.compile(layer, fullgraph=True) for _ in caches]  # one compiled region per layer
+
+        def step(fns):
+            h = x.q_nope
+            for fn, cache in zip(fns, caches):
+                h = fn(h, x.q_pe, cache, x.block_table, x.seq_lens, x.kv_scale)
+            return h
+
+        planned_backend.PLANS_MADE.clear()
+        for new_lens in ([5, 17, 9], [6, 18, 10], [7, 19, 11]):
+            x.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))  # the next step's lengths
+            before = len(planned_backend.PLANS_MADE)
+            got = step(regions)  # the run op checks it got the plan of these lengths
+            assert len(planned_backend.PLANS_MADE) == before + 1
+            assert relative_error(got, step([layer] * 3)) < 1e-5
+        before = len(planned_backend.PLANS_MADE)
+        step([layer] * 3)  # eager: the lengths did not change, the last plan still holds
+        assert len(planned_backend.PLANS_MADE) == before
+
+
+# ----------------------------------------------------------------------------- selection by cost in context
+
+
+def test_a_one_call_graph_names_the_plan_cost(fake_sm90):
+    """B=1 bf16 on an H100: in a step of many layers FA3 wins (its host plan is shared by all of them); a
+    graph of one call cannot share it, so FlashMLA, which plans on the device, goes first, and the decision
+    says why."""
+    _, (many,) = lowered(4, "bf16", B=1)
+    assert many.backend == "flashinfer_fa3" and many.context == CallContext(4, False)
+    for captured in (False, True):
+        _, (one,) = lowered(1, "bf16", B=1, captured=captured)
+        assert one.backend == "flashmla" and one.context == CallContext(1, captured)
+        (why,) = [r for r in one.reasons if r.startswith("flashinfer_fa3:")]
+        assert "plan cost not amortized" in why and "host plan" in why and "1 call" in why
+        assert ("splits the CUDA graph" in why) == captured
+
+
+def test_a_user_preference_is_not_reordered(fake_sm90):
+    with mla_inductor.prefer_backends("flashinfer_fa3", "flashmla"):
+        _, (one,) = lowered(1, "bf16", B=1)
+    assert one.backend == "flashinfer_fa3"
+
+
+# ----------------------------------------------------------------------------- little host work per eager call
+
+
+def test_an_eager_call_validates_and_selects_once_per_signature(monkeypatch):
+    """The shape checks and the selection run for the first call of a signature; later calls look them up.
+    A call with another signature is checked afresh (bad input still fails with the contract's message)."""
+    import mla_inductor.ops as ops
+    import mla_inductor.selection as selection
+
+    counts = {"check": 0, "select": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ops, "check_decode_args", counted("check", ops.check_decode_args))
+    monkeypatch.setattr(selection, "select_backend", counted("select", selection.select_backend))
+    monkeypatch.setattr(ops, "_VALIDATED", {})
+    monkeypatch.setattr(selection, "_EAGER_CHOICES", {})
+    x = make_decode_inputs(seq_lens=[5, 17, 9], **{k: v for k, v in SMALL.items()})
+    want = mla_inductor.paged_decode_reference(*x.args())[0]
+    for _ in range(3):
+        assert relative_error(torch.ops.mla.paged_decode(*x.args()), want) < 1e-2
+    assert counts == {"check": 1, "select": 1}
+    args = list(x.args())
+    args[1] = args[1].float()  # q_pe's dtype no longer q_nope's
+    with pytest.raises(TypeError, match="mla.paged_decode: q_pe must have q_nope's dtype"):
+        torch.ops.mla.paged_decode(*args)
+    assert counts["check"] == 2
