@@ -176,7 +176,8 @@ def _plan_key(node: torch.fx.Node, target=True):
             return a
         return tuple(map(size_key, v.shape)), v.dtype, tuple(map(size_key, v.stride()))
 
-    args = _bind_decode_args(node.args, node.kwargs)
+    # Decode calls carry the optional q_scale as a ninth argument; a plan reads only the contract's eight.
+    args = _bind_decode_args(node.args, node.kwargs, OP_ARG_NAMES)[:len(DECODE_ARG_NAMES)]
     q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse = args
     return (node.target if target else None, meta(q_nope), meta(q_pe), meta(kv_cache), meta(kv_scale), block_table,
             seq_lens, softmax_scale, sparse)
