@@ -56,6 +56,18 @@ def _fake_outputs(q: torch.Tensor, dtype=None):
     return out, lse
 
 
+def _define_sched_meta(module: types.ModuleType) -> None:
+    """Put FakeSchedMeta where the real module has FlashMLASchedMeta: vLLM's interface module defines it
+    itself; a ``flash_mla`` package (sgl-flash-mla, DeepSeek's) does not export it from ``__init__``, only
+    from its ``flash_mla_interface`` submodule (an attribute of the package once imported)."""
+    if module.__name__ == "flash_mla":
+        module.__path__ = []  # a package, like the real one
+        module.flash_mla_interface = types.ModuleType("flash_mla.flash_mla_interface")
+        module.flash_mla_interface.FlashMLASchedMeta = FakeSchedMeta
+    else:
+        module.FlashMLASchedMeta = FakeSchedMeta
+
+
 class RecordingInterface(types.ModuleType):
     """A provider module recording every call; ``sched_meta=True`` mimics the 2026 interface."""
 
@@ -63,7 +75,7 @@ class RecordingInterface(types.ModuleType):
         super().__init__(name)
         self.calls = []
         if sched_meta:
-            self.FlashMLASchedMeta = FakeSchedMeta
+            _define_sched_meta(self)
 
             def get_mla_metadata(*args, **kwargs):
                 return FakeSchedMeta(), None
@@ -109,7 +121,8 @@ def _kernel_outputs(q, cache_seqlens, indices, zero_empty=True):
 class RecordingSglModule(types.ModuleType):
     """Mimics the sgl-flash-mla wheel's ``flash_mla``: the 2026 ``FlashMLASchedMeta`` interface plus
     ``use_legacy``, ``descale_q/descale_k`` and the hoisted ``get_mla_decoding_metadata``. Like the real
-    one, dense fp8 refuses to run without metadata, and nothing runs without ``use_legacy=True``."""
+    one, dense fp8 refuses to run without metadata, nothing runs without ``use_legacy=True``, and
+    ``FlashMLASchedMeta`` is not exported at top level (only from ``flash_mla.flash_mla_interface``)."""
 
     __version__ = "1.0.0"
 
@@ -117,7 +130,7 @@ class RecordingSglModule(types.ModuleType):
         super().__init__(name)
         self.calls = []
         self.legacy = legacy
-        self.FlashMLASchedMeta = FakeSchedMeta
+        _define_sched_meta(self)
 
     def has_legacy(self):
         return self.legacy
@@ -357,6 +370,28 @@ def test_vllm_build_is_the_fallback(fresh_discovery):
                                    "dense_ds": fm.VLLM_INTERFACE, "dense_fp8": fm.FP8_EXTENSION_MODULE}
     assert providers.found[1].ops is ops and f"{fm.SGL_MODULE}: " in providers.tried
     assert BACKEND.decode_and_plan_op() is fm.DECODE_AND_PLAN_OP
+
+
+def test_sgl_wheel_layout_sched_meta_only_in_its_interface_submodule(fresh_discovery):
+    """The real wheel's __init__ exports no FlashMLASchedMeta (flash_mla_interface defines it, and
+    flash_mla_with_kvcache asserts isinstance of that class): the provider must find it there."""
+    sgl = RecordingSglModule()
+    assert not hasattr(sgl, "FlashMLASchedMeta") and sgl.flash_mla_interface.FlashMLASchedMeta is FakeSchedMeta
+    fresh_discovery.setitem(sys.modules, fm.SGL_MODULE, sgl)
+    (provider,) = fm.find_providers().found
+    assert isinstance(provider, fm.SglFlashMLA) and provider.sched_meta is FakeSchedMeta
+    # DeepSeek's own 2026 package has the same layout: still recognised as the 2026 interface
+    assert isinstance(fm.interface_provider(fm.SGL_MODULE, RecordingInterface(fm.SGL_MODULE), []),
+                      fm.SchedMetaFlashMLA)
+
+
+def test_sgl_like_module_without_sched_meta_is_refused(fresh_discovery):
+    sgl = RecordingSglModule()
+    del sgl.flash_mla_interface
+    sgl.__path__ = []  # a package whose flash_mla_interface does not import
+    tried = []
+    assert fm.interface_provider(fm.SGL_MODULE, sgl, tried) is None
+    assert "no FlashMLASchedMeta" in tried[0]
 
 
 def test_sgl_wheel_without_legacy_kernels_falls_back_to_vllm(fresh_discovery):
