@@ -441,6 +441,23 @@ def test_info_shows_where_flashmla_was_loaded_from(fresh_discovery):
            "from flash_mla 1.0.0" in report()
 
 
+def test_pass_cache_key_follows_the_flashmla_provider(monkeypatch):
+    """sgl-flash-mla and vLLM's build get different graphs (a plan op vs decode_and_plan, their own
+    schedule shapes): a graph compiled against one must not be served from Inductor's caches for the other
+    (it was, on the H100: the vLLM run replayed the sgl-flash-mla graph)."""
+    from mla_inductor.lowering.graph_pass import MLALoweringPass
+
+    monkeypatch.setattr(fm.FlashMLABackend, "unavailable_reason", lambda self: None)
+    sgl_providers = _providers(RecordingSglModule(), name=fm.SGL_MODULE)
+    vllm_providers = _providers(RecordingInterface(fm.VLLM_INTERFACE), RecordingFP8Ops(), name=fm.VLLM_INTERFACE)
+    ours = MLALoweringPass()
+    monkeypatch.setattr(fm, "find_providers", lambda: sgl_providers)
+    with_sgl = ours.uuid()
+    assert with_sgl == ours.uuid()
+    monkeypatch.setattr(fm, "find_providers", lambda: vllm_providers)
+    assert ours.uuid() != with_sgl
+
+
 def test_import_is_lazy():
     code = ("import sys, mla_inductor, mla_inductor.backends.flashmla; "
             "bad = [m for m in ('vllm', 'flash_mla') if m in sys.modules]; "

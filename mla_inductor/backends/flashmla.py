@@ -591,11 +591,12 @@ def decode_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softma
 # ----------------------------------------------------------------------------- the ops
 
 @functools.cache
-def metadata_shape(mode: str, device: torch.device, H: int, Q: int, q_dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> tuple[int, int]:
+def metadata_shape(provider: Optional[Provider], mode: str, device: torch.device, H: int, Q: int,
+                   q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
     """tile_scheduler_metadata's shape ``(num_sm_parts, M)``: it depends on the GPU's SM count, H, Q and
-    the FlashMLA version, never on B, seq_lens or top-k, so it is measured once on a one-sequence problem
-    (the fake impl needs it; a CUDA call at compile time, never in ``supports``)."""
+    the FlashMLA build (``provider``, the one ``mode`` runs on now), never on B, seq_lens or top-k, so it is
+    measured once on a one-sequence problem (the fake impl needs it; a CUDA call at compile time, never in
+    ``supports``)."""
     with real_tensors():
         width = 656 if mode in SPARSE_KERNEL_MODES else HEAD_DIM
         q_nope = torch.zeros(Q, H, HEAD_DIM_V, dtype=q_dtype, device=device)
@@ -614,8 +615,8 @@ def _fake_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     T, H, _ = q_nope.shape
     # The schedule never depends on the query's dtype: an e4m3 query (dense_fp8's plan) is measured as bf16.
     q_dtype = torch.bfloat16 if q_nope.dtype.itemsize == 1 else q_nope.dtype
-    parts, width = metadata_shape(mode, q_nope.device, int(H), int(T // block_table.shape[0]), q_dtype,
-                                  kv_cache.dtype)
+    parts, width = metadata_shape(find_providers().for_mode(mode), mode, q_nope.device, int(H),
+                                  int(T // block_table.shape[0]), q_dtype, kv_cache.dtype)
     return [
         q_nope.new_empty((parts, width), dtype=torch.int32),
         q_nope.new_empty((block_table.shape[0] + 1,), dtype=torch.int32),
