@@ -29,7 +29,7 @@ import torch
 import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
 from mla_inductor.autotune import autotune_enabled, fastest_backend
-from mla_inductor.backends import availability, device_capability, get_backend, library_versions
+from mla_inductor.backends import availability, device_capability, get_backend, kernel_origins, library_versions
 from mla_inductor.contract import (
     DECODE_ARG_NAMES,
     OP_ARG_NAMES,
@@ -364,6 +364,10 @@ def _environment_key() -> str:
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
              f"available={sorted(availability().items())}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]
+    # Which build a backend loaded its kernels from decides the ops written (FlashMLA: a plan op where the
+    # provider schedules on the device, else decode_and_plan) and the plan's shapes; library versions alone
+    # do not tell two installed providers apart.
+    parts += [f"{name} from {origin}" for name, origin in kernel_origins().items()]
     if torch.cuda.is_available():
         parts.append(f"gpu={torch.cuda.get_device_name()} sm={torch.cuda.get_device_capability()}")
     return "|".join(parts)

@@ -39,7 +39,8 @@ A backend answers three questions and does one thing:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
   ``decode_with_q_scale(..., sparse_indices, q_scale)``: the same given the call's static query scale
   (or None); only a backend that quantizes q overrides it, the others compute with q as given.
-- ``loaded_from()``: optional; where the backend's kernels were loaded from (``python -m mla_inductor.info``).
+- ``loaded_from()``: optional; where the backend's kernels were loaded from (``python -m mla_inductor.info``;
+  also part of the pass's cache key, so a graph compiled against one build is never served for another).
 - ``append_supports(device_type, capability)`` / ``append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)``:
   optional; a backend that writes caches (``mla.cache_append``) says where it can and does it.
 
@@ -181,6 +182,17 @@ def availability() -> dict[str, Optional[str]]:
         except Exception as e:  # noqa: BLE001 - a backend that cannot even import is simply unavailable
             result[name] = f"import failed: {type(e).__name__}: {e}"
     return result
+
+
+def kernel_origins() -> dict[str, str]:
+    """Each usable backend's ``loaded_from()`` where it says one (e.g. which FlashMLA build serves which mode)."""
+    origins = {}
+    for name, why in availability().items():
+        if why is None:
+            origin = get_backend(name).loaded_from()
+            if origin:
+                origins[name] = origin
+    return origins
 
 
 def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:

@@ -111,6 +111,23 @@ FP8_EXTENSION_OPS = ("fwd_kvcache_mla_fp8", "get_mla_decoding_metadata_dense_fp8
 
 # ----------------------------------------------------------------------------- providers
 
+def sched_meta_class(module: Any) -> Optional[type]:
+    """The module's ``FlashMLASchedMeta`` (the 2026 interface's schedule holder), or None. vLLM's build defines
+    it in the interface module itself; the ``flash_mla`` packages (sgl-flash-mla, DeepSeek's) do not export it
+    from ``__init__`` but define it in ``flash_mla.flash_mla_interface``, and ``flash_mla_with_kvcache``
+    asserts ``isinstance`` of exactly that class."""
+    cls = getattr(module, "FlashMLASchedMeta", None)
+    if cls is not None:
+        return cls
+    interface = getattr(module, "flash_mla_interface", None)  # set on the package by its own import
+    if interface is None and hasattr(module, "__path__"):
+        try:
+            interface = importlib.import_module(f"{module.__name__}.flash_mla_interface")
+        except Exception:  # noqa: BLE001 - no such submodule: not the 2026 interface
+            interface = None
+    return getattr(interface, "FlashMLASchedMeta", None)
+
+
 class Provider:
     """One source of FlashMLA kernels.
 
@@ -125,6 +142,7 @@ class Provider:
     def __init__(self, name: str, module: Any):
         self.name = name
         self.module = module
+        self.sched_meta = sched_meta_class(module)  # the 2026 interface's schedule holder (None: legacy)
 
     @property
     def origin(self) -> str:
@@ -178,7 +196,7 @@ class SglFlashMLA(Provider):
                q_descale=None, k_descale=None):
         if md is None:
             md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
-        meta = self.module.FlashMLASchedMeta()
+        meta = self.sched_meta()
         meta.tile_scheduler_metadata, meta.num_splits = md, splits
         kwargs = dict(softmax_scale=softmax_scale, causal=causal, use_legacy=True)
         if mode in SPARSE_KERNEL_MODES:
@@ -199,13 +217,13 @@ class SchedMetaFlashMLA(Provider):
     hoists_metadata = False
 
     def metadata(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices):
-        meta = self.module.FlashMLASchedMeta()
+        meta = self.sched_meta()
         self._call(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, meta)
         return meta.tile_scheduler_metadata, meta.num_splits
 
     def attend(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
                q_descale=None, k_descale=None):
-        meta = self.module.FlashMLASchedMeta()
+        meta = self.sched_meta()
         if md is not None:
             # A fresh FlashMLASchedMeta holding tensors: the wrapper builds its config from this call
             # and hands the tensors to the kernel, which then skips making metadata.
@@ -322,13 +340,17 @@ def interface_provider(name: str, module: Any, tried: list[str]) -> Optional[Pro
     if not callable(decode) or not callable(metadata):
         tried.append(f"{name}: has no flash_mla_with_kvcache/get_mla_metadata")
         return None
+    sched_meta = sched_meta_class(module)
     if "use_legacy" in _parameters(decode) and callable(getattr(module, "get_mla_decoding_metadata", None)):
         has_legacy = getattr(module, "has_legacy", None)
         if callable(has_legacy) and not has_legacy():
             tried.append(f"{name}: built without its legacy (SM90, V3.2-format) kernels")
             return None
+        if sched_meta is None:
+            tried.append(f"{name}: has use_legacy but no FlashMLASchedMeta (in {name}.flash_mla_interface)")
+            return None
         return SglFlashMLA(name, module)
-    if getattr(module, "FlashMLASchedMeta", None) is not None:
+    if sched_meta is not None:
         return SchedMetaFlashMLA(name, module)
     return LegacyFlashMLA(name, module, sparse="topk" in _parameters(metadata))
 
@@ -569,11 +591,12 @@ def decode_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softma
 # ----------------------------------------------------------------------------- the ops
 
 @functools.cache
-def metadata_shape(mode: str, device: torch.device, H: int, Q: int, q_dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> tuple[int, int]:
+def metadata_shape(provider: Optional[Provider], mode: str, device: torch.device, H: int, Q: int,
+                   q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
     """tile_scheduler_metadata's shape ``(num_sm_parts, M)``: it depends on the GPU's SM count, H, Q and
-    the FlashMLA version, never on B, seq_lens or top-k, so it is measured once on a one-sequence problem
-    (the fake impl needs it; a CUDA call at compile time, never in ``supports``)."""
+    the FlashMLA build (``provider``, the one ``mode`` runs on now), never on B, seq_lens or top-k, so it is
+    measured once on a one-sequence problem (the fake impl needs it; a CUDA call at compile time, never in
+    ``supports``)."""
     with real_tensors():
         width = 656 if mode in SPARSE_KERNEL_MODES else HEAD_DIM
         q_nope = torch.zeros(Q, H, HEAD_DIM_V, dtype=q_dtype, device=device)
@@ -592,8 +615,8 @@ def _fake_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     T, H, _ = q_nope.shape
     # The schedule never depends on the query's dtype: an e4m3 query (dense_fp8's plan) is measured as bf16.
     q_dtype = torch.bfloat16 if q_nope.dtype.itemsize == 1 else q_nope.dtype
-    parts, width = metadata_shape(mode, q_nope.device, int(H), int(T // block_table.shape[0]), q_dtype,
-                                  kv_cache.dtype)
+    parts, width = metadata_shape(find_providers().for_mode(mode), mode, q_nope.device, int(H),
+                                  int(T // block_table.shape[0]), q_dtype, kv_cache.dtype)
     return [
         q_nope.new_empty((parts, width), dtype=torch.int32),
         q_nope.new_empty((block_table.shape[0] + 1,), dtype=torch.int32),
