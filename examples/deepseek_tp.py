@@ -6,8 +6,9 @@ parallelism, generating the same tokens as one process.
 Every process builds the same small random-weight model (no hub access; needs ``pip install
 'transformers>=5'``), keeps H / world heads of each attention layer (``shard_deepseek_attention_tp``:
 projections split by heads, an all-reduce after o_proj) and decodes on a paged latent cache: the whole
-cache on every process (``--dcp 1``), or split by tokens over DCP groups of ``--dcp`` processes
-(``DCPLatentCache``). Rank 0 also runs the unsplit model and reports whether the tokens and logits agree.
+cache on every process (``--dcp 1``, ``hf.PagedMLACache``), or split by tokens over DCP groups of ``--dcp``
+processes (``DCPMLACache``). Rank 0 also runs the unsplit model and reports whether the tokens and logits
+agree.
 NCCL and one GPU per process where CUDA is present, else gloo on CPU.
 """
 
@@ -17,10 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import mla_inductor.lowering  # noqa: F401  (registers torch.ops.mla.* and the Inductor pass)
 from mla_inductor import hf
-from mla_inductor.distributed import allocate_dcp_cache, make_dcp_group, shard_deepseek_attention_tp
-from mla_inductor.testing import relative_error
+from mla_inductor.distributed import DCPMLACache, make_dcp_group, shard_deepseek_attention_tp
+from mla_inductor.testing import random_deepseek_model, relative_error
 
 SMALL_V3 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=16, num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=32,
@@ -31,13 +31,20 @@ REAL_ATTENTION_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_d
 
 def prefill_and_decode(model, cache, step, prompt, steps):
     """Greedy: the prompt, then ``steps`` tokens; returns (tokens [B, steps], the last logits [B, V])."""
-    logits = hf.prefill(model, prompt)
+    cache.reset()
+    logits = hf.prefill(model, prompt, cache=cache)
     tokens = []
     for _ in range(steps):
         token = logits.argmax(-1)
         tokens.append(token)
-        logits = step(model, token, cache.reserve(1))
+        logits = step(model, token, cache)
     return torch.stack(tokens, 1), logits
+
+
+def build_model(dtype, device, config):
+    model = random_deepseek_model("v3", dtype=dtype, device=device, **config)
+    model.set_attn_implementation(hf.register())
+    return model
 
 
 def main():
@@ -63,19 +70,16 @@ def main():
     prompt = torch.randint(1, config["vocab_size"], (args.batch, args.prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)
 
-    model = shard_deepseek_attention_tp(hf.build_random_deepseek("v3", dtype=dtype, device=device, **config),
-                                        dist.group.WORLD)
+    model = shard_deepseek_attention_tp(build_model(dtype, device, config), dist.group.WORLD)
     if args.dcp == 1:
-        cache = hf.allocate_cache(model, **sizes)
+        cache = hf.PagedMLACache(model, **sizes)
     else:
         # page_size: tokens per page on each process (64 on GPUs: FlashMLA's page).
-        cache = allocate_dcp_cache(model, make_dcp_group(args.dcp, interleave=1, exchange=args.exchange), **sizes)
-    hf.patch_deepseek(model, cache)
+        cache = DCPMLACache(model, make_dcp_group(args.dcp, interleave=1, exchange=args.exchange), **sizes)
     step = torch.compile(hf.decode_one_token, fullgraph=True)
 
     with torch.no_grad():
         prefill_and_decode(model, cache, step, prompt, 2)  # compile, warm up
-        cache.reset()
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
@@ -85,9 +89,8 @@ def main():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if rank == 0:
-            whole = hf.build_random_deepseek("v3", dtype=dtype, device=device, **config)
-            whole_cache = hf.allocate_cache(whole, **sizes)
-            hf.patch_deepseek(whole, whole_cache)
+            whole = build_model(dtype, device, config)
+            whole_cache = hf.PagedMLACache(whole, **sizes)
             want_tokens, want_logits = prefill_and_decode(whole, whole_cache, hf.decode_one_token, prompt, args.steps)
             same = int((tokens == want_tokens).sum())
             print(f"TP={world} DCP={args.dcp} ({dist.get_backend()}, {cache.kv_caches[0].dtype} cache): "

@@ -25,8 +25,10 @@ token's local page equal its virtual page.
 
 TP x DCP (vLLM's arrangement, DCP inside the TP group): a TP group of ``tp`` ranks splits the heads,
 ``h = H / tp`` per rank; consecutive blocks of ``dcp`` ranks of it form the DCP groups, each holding one
-copy of the cache split ``dcp`` ways. ``shard_deepseek_attention_tp`` shards an HF DeepSeek model's
-attention; ``DCPLatentCache`` is a drop-in for ``PagedLatentCache`` in ``mla_inductor.hf``.
+copy of the cache split ``dcp`` ways. ``DCPLatentCache`` is ``PagedLatentCache`` split over a DCP group;
+for Hugging Face models, ``shard_deepseek_attention_tp`` splits the attention by heads and ``DCPMLACache``
+(a ``mla_inductor.hf.PagedMLACache`` split over a DCP group; loaded with transformers on first use) is
+the cache to pass to ``model.generate`` / ``hf.decode_one_token``.
 
     dist.init_process_group("nccl")                        # torchrun --nproc-per-node 2 ...
     dcp = make_dcp_group(dcp_size=2, interleave=1, exchange="a2a")
@@ -56,11 +58,11 @@ __all__ = [
     "DCPGroup",
     "DCPLatentCache",
     "DCPLayout",
+    "DCPMLACache",
     "agreed_fp8_scale",
     "all_gather",
     "all_reduce_sum",
     "all_to_all",
-    "allocate_dcp_cache",
     "check_kv_scale_agrees",
     "dcp_decode",
     "dcp_decode_with_lse",
@@ -321,8 +323,8 @@ class DCPLatentCache:
     """This rank's share of ``num_layers`` paged latent caches split over a DCP group.
 
     A drop-in for ``PagedLatentCache`` (``append``, ``decode``, ``reserve``, ``reset``, ``block_table``,
-    ``seq_lens``, ``kv_scale``, ``kv_caches``...), so ``mla_inductor.hf.patch_deepseek(model, cache)``
-    runs a model on it. ``block_table`` and ``seq_lens`` are the global ones, equal on every rank (every rank
+    ``seq_lens``, ``kv_scale``, ``kv_caches``...) for code that drives the ops itself (Hugging Face models:
+    ``DCPMLACache``). ``block_table`` and ``seq_lens`` are the global ones, equal on every rank (every rank
     runs the same host-side allocator); ``kv_caches[layer]`` [num_pages, page_size, W] holds this rank's
     ``page_size`` tokens of every page of ``page_size * N`` tokens. ``reserve`` returns this rank's slots
     (-1 for tokens other ranks store); ``decode`` runs ``dcp_decode`` for this rank's heads.
@@ -437,9 +439,9 @@ def shard_deepseek_attention_tp(model: nn.Module, group: dist.ProcessGroup) -> n
     Each rank keeps H/tp heads: the rows of ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` for its heads, the
     matching columns of ``o_proj``, whose result is summed over the group (all-reduce after o_proj). The
     latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``) stay whole: every rank computes the shared
-    latent. Call it on the same model (same weights) on every rank, before ``hf.patch_deepseek``; then
-    give ``patch_deepseek`` a ``PagedLatentCache`` (TP alone) or a ``DCPLatentCache`` over a DCP group inside
-    ``group`` (TP x DCP). The rest of the model (MLP / MoE, embeddings) stays replicated.
+    latent. Call it on the same model (same weights) on every rank, before making its cache: a
+    ``mla_inductor.hf.PagedMLACache`` (TP alone) or a ``DCPMLACache`` over a DCP group inside ``group``
+    (TP x DCP). The rest of the model (MLP / MoE, embeddings) stays replicated.
     """
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
@@ -447,9 +449,6 @@ def shard_deepseek_attention_tp(model: nn.Module, group: dist.ProcessGroup) -> n
                         f"{type(model).__name__}")
     for layer in layers:
         attn = layer.self_attn
-        if hasattr(attn, "mla_w_uk"):
-            raise RuntimeError("shard_deepseek_attention_tp: shard before mla_inductor.hf.patch_deepseek (the "
-                               "absorbed weights are copies of the unsharded kv_b_proj)")
         if getattr(attn, "mla_tp_group", None) is not None:
             raise RuntimeError("shard_deepseek_attention_tp: this model's attention is already sharded")
         H = attn.num_heads
@@ -468,19 +467,6 @@ def shard_deepseek_attention_tp(model: nn.Module, group: dist.ProcessGroup) -> n
     return model
 
 
-def allocate_dcp_cache(model: nn.Module, dcp: DCPGroup, *, batch_size: int, max_seq_len: int,
-                       fmt: Optional[str] = None, page_size: int = 64, kv_scale: float = 1.0,
-                       num_pages: Optional[int] = None) -> DCPLatentCache:
-    """``hf.allocate_cache``'s counterpart: a ``DCPLatentCache`` sized for an HF DeepSeek model's layers and MLA
-    dims on its device (``fmt`` defaults to the model's dtype)."""
-    config, weight = model.config, model.lm_head.weight
-    fmt = fmt or {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[weight.dtype]
-    return DCPLatentCache.allocate(
-        dcp, num_layers=config.num_hidden_layers, batch_size=batch_size, max_seq_len=max_seq_len,
-        kv_lora_rank=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, page_size=page_size, fmt=fmt,
-        num_pages=num_pages, kv_scale=kv_scale, device=weight.device)
-
-
 def split_heads(x: Tensor, group_or_size, rank: Optional[int] = None) -> Tensor:
     """This rank's block of dim 1 (heads) of ``x`` [T, H, ...] split evenly over a group (or ``size`` ranks)."""
     if isinstance(group_or_size, int):
@@ -489,3 +475,12 @@ def split_heads(x: Tensor, group_or_size, rank: Optional[int] = None) -> Tensor:
         size, rank = dist.get_world_size(group_or_size), dist.get_rank(group_or_size)
     h = x.shape[1] // size
     return x[:, rank * h:(rank + 1) * h]
+
+
+def __getattr__(name: str):
+    # DCPMLACache derives from transformers' Cache: loaded (with transformers) only when first asked for.
+    if name == "DCPMLACache":
+        from mla_inductor._hf_distributed import DCPMLACache
+
+        return DCPMLACache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -253,47 +253,51 @@ TINY_V3 = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_interme
 
 def case_tp_hf(device, dcp_size, exchange, fmt, attention_bias=False):
     """An HF DeepSeek-V3 with its attention split over the world by heads (TP = world size), the cache split over
-    DCP groups of ``dcp_size`` ranks inside it (1: TP alone): prefill and decode logits equal one process's.
-    ``attention_bias``: o_proj (and the latent projections) with a bias, which TP adds once after the sum."""
+    DCP groups of ``dcp_size`` ranks inside it (1: TP alone, a PagedMLACache): prefill and decode logits equal
+    one process's. ``attention_bias``: o_proj (and the latent projections) with a bias, which TP adds once after
+    the sum."""
     from mla_inductor import hf
-    from mla_inductor.distributed import allocate_dcp_cache, shard_deepseek_attention_tp
+    from mla_inductor.distributed import DCPMLACache, shard_deepseek_attention_tp
+    from mla_inductor.testing import random_deepseek_model
 
     kv_scale = 0.05 if fmt == "fp8_e4m3" else 1.0
     sizes = dict(batch_size=3, max_seq_len=24, fmt=fmt, page_size=4, kv_scale=kv_scale)
     config = dict(TINY_V3, attention_bias=attention_bias)
 
     def build():
-        model = hf.build_random_deepseek("v3", device=device, **config)
+        model = random_deepseek_model("v3", device=device, **config)
         g = torch.Generator().manual_seed(4)
         with torch.no_grad():  # HF initialises biases to 0, which would not show a bias added tp times
             for p in model.parameters():
                 if p.dim() == 1 and not p.any():
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        model.set_attn_implementation(hf.register())
         return model
 
     whole = build()
-    hf.patch_deepseek(whole, hf.allocate_cache(whole, **sizes))
+    whole_cache = hf.PagedMLACache(whole, **sizes)
     split = shard_deepseek_attention_tp(build(), dist.group.WORLD)
     if dcp_size == 1:
-        cache = hf.allocate_cache(split, **sizes)
+        cache = hf.PagedMLACache(split, **sizes)
     else:
-        dcp = make_dcp_group(dcp_size, interleave=2, exchange=exchange)
-        cache = allocate_dcp_cache(split, dcp, **dict(sizes, page_size=4))
-    hf.patch_deepseek(split, cache)
+        cache = DCPMLACache(split, make_dcp_group(dcp_size, interleave=2, exchange=exchange), **sizes)
+        assert cache.kv_caches[0].shape[1] == sizes["page_size"]  # this rank's share of every page
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, TINY_V3["vocab_size"], (3, 7), generator=g).to(device)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
     mask[2, :6] = 0
     with torch.no_grad():
-        want, got = hf.prefill(whole, ids, mask), hf.prefill(split, ids, mask)
-        for step in range(3):
+        want, got = hf.prefill(whole, ids, mask, cache=whole_cache), hf.prefill(split, ids, mask, cache=cache)
+        for step in range(4):
             err = relative_error(got, want)
             # On GPUs the kernels for H/tp heads and for H heads may differ (and round differently).
-            assert err < (2e-2 if torch.device(device).type == "cuda" else 1e-4), f"TP={dist.get_world_size()} DCP={dcp_size} {fmt}: logits off by {err:.2e} at step {step}"
+            assert err < (2e-2 if torch.device(device).type == "cuda" else 1e-4), \
+                f"TP={dist.get_world_size()} DCP={dcp_size} {fmt}: logits off by {err:.2e} at step {step}"
             token = want.argmax(-1)
-            want = hf.decode_one_token(whole, token, whole.mla_state.cache.reserve(1))
-            got = hf.decode_one_token(split, token, cache.reserve(1))
+            want = hf.decode_one_token(whole, token, whole_cache)
+            got = hf.decode_one_token(split, token, cache)
+    assert torch.equal(cache.seq_lens, whole_cache.seq_lens)
 
 
 def case_compiled_dcp_step(device, exchange):
