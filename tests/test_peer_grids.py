@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import mla_inductor
-from grids import CASES, INTERPRETER_CASES, build, tolerances
+from grids import (CASES, INTERPRETER_CASES, build, compiled_decode, one_thread_on_cpu,  # noqa: F401 - a fixture
+                   step_args, tolerances)
 from mla_inductor.backends import BACKEND_MODULES, device_capability, get_backend
 from mla_inductor.contract import check_decode_args
 from mla_inductor.testing import relative_error
@@ -29,12 +30,8 @@ def check_against_oracle(x, out, lse, tols, what):
     assert out.dtype == x.q_nope.dtype and lse.dtype == torch.float32
 
 
-def decode_step(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
-    return torch.ops.mla.paged_decode_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
-                                               kv_scale, sparse_indices)
-
-
 # ----------------------------------------------------------------------------- CPU (CI)
+@pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_reference_eager(name):
     case = CASES[name]
@@ -43,29 +40,30 @@ def test_reference_eager(name):
     check_against_oracle(x, out, lse, tolerances(case), name)
 
 
-# The compiled CPU path: one compiled function per group, dynamic shapes, so each group compiles a few graphs.
+# The compiled CPU path: one compiled function per group, dynamic shapes. The generated code specialises
+# on Q == 1, on pages of one token and of >= 64 tokens (one page per chunk), so a group keeps to one
+# of each and compiles one graph; formats the groups leave out run compiled in tests/test_fuzz.py.
 COMPILED_GROUPS = {
-    "dense_bf16": ["flashmla_s20_h1", "flashmla_s140_varlen_h3_q2", "flashmla_zero_lengths_h9_q2",
-                   "flashinfer_oob_nan_page16_q7", "q4_longer_than_sequence", "large_q_h16"],
-    "dense_page1_and_fp16": ["flashinfer_page1_lens", "vllm_triton_l1025_page16_h32"],
-    "fp8": ["flashmla_s140_h126_fp8", "vllm_flashmla_randn_q_fp8_q2"],
-    "fp8_ds_mla_sparse": ["flashmla_sparse_s512_topk64", "flashmla_sparse_s2046_topk2048_q3"],
-    "bf16_sparse": ["sglang_sparse_topk128_bf16", "sparse_repeated_slot"],
+    "dense_q_gt_1": ["flashinfer_oob_nan_page16_q7", "flashinfer_oob_nan_page16_q17", "q4_longer_than_sequence"],
+    "dense_q2_page64": ["flashmla_s140_varlen_h3_q2", "flashmla_zero_lengths_h9_q2"],
+    "dense_page1": ["flashinfer_page1_lens"],
+    "sparse_fp8_ds_mla": ["flashmla_sparse_s512_topk64", "flashmla_sparse_s2046_topk2048_q3"],
 }
 
 
+@pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("group", sorted(COMPILED_GROUPS))
 def test_compiled_cpu(group):
-    torch._dynamo.reset()
-    step = torch.compile(decode_step, fullgraph=True, dynamic=True)
-    for name in COMPILED_GROUPS[group]:
-        case = CASES[name]
-        x = build(case, seed=len(name))
-        out, lse = step(*x.args())
-        check_against_oracle(x, out, lse, tolerances(case), f"compiled {name}")
+    cases = [(name, CASES[name], build(CASES[name], seed=len(name))) for name in COMPILED_GROUPS[group]]
+    with compiled_decode(cases[0][2].softmax_scale) as (step, counter):
+        for name, case, x in cases:
+            out, lse = step(*step_args(x))
+            check_against_oracle(x, out, lse, tolerances(case), f"compiled {name}")
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for group {group}"
 
 
 @needs_triton_on_cpu
+@pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("name", sorted(INTERPRETER_CASES))
 def test_triton_interpreter(name):
     case = INTERPRETER_CASES[name]
@@ -118,9 +116,8 @@ def test_gpu_backend_compiled(backend_name, name):
         chosen = mla_inductor.backend_for_call(*x.args()).backend
         if chosen != backend_name:
             pytest.skip(f"the selection gives {chosen} for {name} even when {backend_name} is preferred")
-        torch._dynamo.reset()
-        step = torch.compile(decode_step, fullgraph=True)
-        _poison_allocator()
-        out, lse = step(*x.args())
+        with compiled_decode(x.softmax_scale, dynamic=False) as (step, _):
+            _poison_allocator()
+            out, lse = step(*step_args(x))
     torch.cuda.synchronize()
     check_against_oracle(x, out, lse, tolerances(case, backend_name), f"compiled {backend_name} {name}")

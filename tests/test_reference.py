@@ -8,6 +8,7 @@ import torch
 import mla_inductor
 from mla_inductor.cache import decode_tokens, pack_fp8_ds_mla, unpack_fp8_ds_mla
 from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
+from grids import compiled_decode, step_args
 from naive import naive_decode
 from poison import GARBAGE, HUGE_PAGE_ID, poisoned
 
@@ -157,14 +158,14 @@ def test_unattended_memory_never_reaches_the_output_compiled(fmt, variant):
     big = fmt == "fp8_ds_mla"
     x = make_decode_inputs(**HOSTILE[variant], num_heads=3, kv_lora_rank=512 if big else 32, rope_dim=64 if big else 16,
                            fmt=fmt, q_dtype=torch.bfloat16, seed=3)
-    torch._dynamo.reset()
-    step = torch.compile(_decode_step, fullgraph=True, dynamic=True)
-    for garbage in GARBAGE:
-        bad = poisoned(x, garbage=garbage)
-        out, lse = step(*bad.args())
-        want_out, want_lse = naive_decode(*bad.args())
-        assert relative_error(out, want_out) < TOLERANCE[torch.bfloat16], garbage
-        assert relative_error(lse, want_lse) < 1e-5, garbage
+    with compiled_decode(x.softmax_scale) as (step, counter):
+        for garbage in GARBAGE:
+            bad = poisoned(x, garbage=garbage)
+            out, lse = step(*step_args(bad))
+            want_out, want_lse = naive_decode(*bad.args())
+            assert relative_error(out, want_out) < TOLERANCE[torch.bfloat16], garbage
+            assert relative_error(lse, want_lse) < 1e-5, garbage
+    assert counter.frame_count == 1
 
 
 # ----------------------------------------------------------------------------- repeated slots
