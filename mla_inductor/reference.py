@@ -1,9 +1,23 @@
 """The reference: the contract's meaning in plain PyTorch (float32 math).
 
-It is the CPU kernel, the definition every GPU kernel is tested against, and, traced to aten ops by the
-Inductor pass, the source of the compiled CPU path. It is written without data-dependent shapes (the
-key dimension is the block table's whole capacity, masked) so that it traces with dynamic shapes, and
-it clamps every index it gathers with, so garbage in unused block-table entries is never dereferenced.
+It is the CPU kernel, the definition every GPU kernel is tested against (itself checked against an
+independent float64 loop, tests/naive.py), and, traced to aten ops by the Inductor pass, the source of
+the compiled CPU path. It has no data-dependent shapes, so it traces with dynamic shapes.
+
+What it reads. Memory the call does not attend is never used, whatever it holds:
+
+- every index is clamped into the cache before it is used (unused block-table entries and sparse
+  padding may hold anything: -1, 2147480000), so nothing outside the cache is dereferenced;
+- every gathered key row that no query row of the call attends is replaced by 0 with ``torch.where``
+  before it enters a product. NaN/inf in a page tail, in a page behind an unused block-table entry, in
+  slot 0 behind sparse -1 padding, or fp8 bytes that encode NaN (0x7F/0xFF from ``torch.empty``) never
+  reach an output. Weighting such rows by 0 would not do: 0 * NaN is NaN.
+
+How much memory. Keys are read one chunk of about ``CHUNK_POSITIONS`` positions (whole pages; for
+sparse calls, listed slots) at a time with an online softmax: a running max, sum and output per query
+row. A call holds one chunk's keys and logits, never the whole gathered context; the chunks run in a
+``while_loop`` that stops after the longest sequence's last chunk, which Inductor generates as a loop
+over kernels. A call whose whole block table (or list of slots) fits one chunk runs it without a loop.
 """
 
 from __future__ import annotations
@@ -12,55 +26,119 @@ from typing import Optional
 
 import torch
 
+from mla_inductor._compat import while_loop
 from mla_inductor.cache import cache_format, decode_tokens, encode_tokens
 
 Tensor = torch.Tensor
 
+# Positions per chunk. Per chunk and sequence: the fp32 keys (L+R values), the stored rows and the
+# [Q*H] logits of each position. At B=64, L+R=576 that is about 10 MB of fp32 keys per chunk.
+CHUNK_POSITIONS = 64
 
-def gather_slots(
-    block_table: Tensor, seq_lens: Tensor, page_size: int, num_pages: int, num_queries: int
-) -> tuple[Tensor, Tensor]:
-    """Dense case: the flat cache slot of every (query row, key position) and whether it is attended.
 
-    Returns ``slots`` int64 [T, S] and ``visible`` bool [T, S] with S = max_pages * page_size and
-    T = B * num_queries; row ``b*Q + j`` sees positions ``t <= seq_lens[b] - Q + j``.
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _pages_per_chunk(max_pages, page_size):
+    """Whole pages of about CHUNK_POSITIONS positions; the whole table when it is statically smaller."""
+    pages = _ceil_div(CHUNK_POSITIONS, page_size)
+    if isinstance(max_pages, int) and isinstance(pages, int):
+        pages = max(1, min(pages, max_pages))
+    return pages
+
+
+def _slots_per_chunk(topk):
+    if isinstance(topk, int):
+        return max(1, min(CHUNK_POSITIONS, topk))
+    return CHUNK_POSITIONS
+
+
+def dense_chunk(chunk: Tensor, block_table: Tensor, seq_lens: Tensor, num_pages: int, page_size: int,
+                q_per_seq: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where chunk ``chunk`` (0-d int64) of every sequence lives, and who attends it.
+
+    Returns ``pages`` and ``offsets`` int64 [B, S_c] (clamped into the cache) and ``attended`` bool
+    [B, Q, S_c]: query row ``b*Q + j`` attends position t iff ``t <= seq_lens[b] - Q + j`` and t lies
+    inside the block table.
     """
-    B, max_pages = block_table.shape
-    positions = torch.arange(max_pages * page_size, device=block_table.device)
-    pages = block_table.long()[:, positions // page_size].clamp(0, num_pages - 1)  # [B, S]
-    slots = pages * page_size + positions % page_size
-    last = seq_lens.long()[:, None] - num_queries + torch.arange(num_queries, device=seq_lens.device)  # [B, Q]
-    visible = positions[None, None, :] <= last[:, :, None]  # [B, Q, S]
-    # Explicit sizes, no -1: with unbacked batch sizes (mark_unbacked) inferring -1 would need a guard.
-    T, S = B * num_queries, max_pages * page_size
-    return slots[:, None, :].expand(B, num_queries, S).reshape(T, S), visible.reshape(T, S)
+    max_pages = block_table.shape[1]
+    chunk_pages = _pages_per_chunk(max_pages, page_size)
+    table_cols = chunk * chunk_pages + torch.arange(chunk_pages, device=block_table.device)
+    pages = block_table.index_select(1, table_cols.clamp(max=max_pages - 1)).long().clamp(0, num_pages - 1)
+    within = torch.arange(chunk_pages * page_size, device=block_table.device)
+    positions = chunk * (chunk_pages * page_size) + within  # [S_c]
+    pages = pages.repeat_interleave(page_size, dim=1)  # [B, S_c]
+    offsets = (within % page_size).expand_as(pages)
+    last = seq_lens.long()[:, None] - q_per_seq + torch.arange(q_per_seq, device=seq_lens.device)  # [B, Q]
+    attended = (positions <= last[:, :, None]) & (positions < max_pages * page_size)
+    return pages, offsets, attended
 
 
-def sparse_slots(sparse_indices: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
-    """Sparse case: listed slots (clamped into the cache) and which of them are real (not -1)."""
-    idx = sparse_indices.long()
-    visible = (idx >= 0) & (idx < capacity)
-    return idx.clamp(0, capacity - 1), visible
+def sparse_chunk(chunk: Tensor, sparse_indices: Tensor, num_pages: int, page_size: int
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Listed slots of chunk ``chunk`` of every row: ``pages``, ``offsets`` int64 [T, S_c] (clamped into the
+    cache) and ``attended`` bool [T, 1, S_c] (a slot in [0, P * page_size); -1 padding and anything
+    else out of range attend nothing)."""
+    topk = sparse_indices.shape[1]
+    width = _slots_per_chunk(topk)
+    cols = chunk * width + torch.arange(width, device=sparse_indices.device)
+    slots = sparse_indices.index_select(1, cols.clamp(max=topk - 1)).long()
+    attended = (slots >= 0) & (slots < num_pages * page_size) & (cols < topk)
+    slots = slots.clamp(0, num_pages * page_size - 1)
+    return slots // page_size, slots % page_size, attended[:, None, :]
 
 
-def attend(q_nope: Tensor, q_pe: Tensor, keys: Tensor, visible: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """Masked softmax attention of [T, H, L|R] queries over float32 keys [T, S, L+R]; values = latent part.
+def online_softmax_step(state: tuple[Tensor, Tensor, Tensor], q_nope: Tensor, q_pe: Tensor, stored: Tensor,
+                        attended: Tensor, kv_scale: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Fold one chunk of keys into the running (max, sum, output) of each query row.
 
-    Returns out [T, H, L] float32 and lse [T, H] float32 (-inf and out 0 where nothing is visible).
+    q_nope [T, H, L] and q_pe [T, H, R] fp32, contiguous; the T rows form G groups of Qg = T / G
+    consecutive rows that share keys (sequences for dense calls, single rows for sparse ones).
+    ``stored`` [G, S_c, width]: the chunk's cache rows as stored; ``attended`` bool [G, Qg, S_c].
+    state: max and sum [T, H], output [T, H, L], fp32.
     """
-    L = q_nope.shape[-1]
-    latent, rope = keys[..., :L], keys[..., L:]
-    logits = torch.einsum("thl,tsl->ths", q_nope.float(), latent) + torch.einsum("thr,tsr->ths", q_pe.float(), rope)
-    logits = (logits * softmax_scale).masked_fill(~visible[:, None, :], float("-inf"))
-    # Written out rather than torch.logsumexp, whose decomposition guards on numel (fails for unbacked
-    # batch sizes). exp(-inf - -inf) is NaN, so fully masked rows shift by 0: weights 0, sum 0, lse -inf.
-    row_max = logits.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    weights = torch.exp(logits - row_max)
-    total = weights.sum(dim=-1)
-    lse = torch.log(total) + row_max.squeeze(-1)
-    probs = weights / torch.where(total == 0, torch.ones_like(total), total)[..., None]
-    return torch.einsum("ths,tsl->thl", probs, latent), lse
+    T, H, L = q_nope.shape
+    R = q_pe.shape[-1]
+    G, S_c = stored.shape[0], stored.shape[1]
+    Qg = T // G
+    row_max, total, acc = state
+    used = attended.any(dim=1)  # [G, S_c]: attended by some row of the group
+    keys = torch.where(used[..., None], decode_tokens(stored, kv_scale), 0.0)  # garbage never reaches a product
+    latent = keys[..., :L]
+    logits = torch.bmm(q_nope.view(G, Qg * H, L), latent.transpose(1, 2))
+    logits = logits + torch.bmm(q_pe.view(G, Qg * H, R), keys[..., L:].transpose(1, 2))
+    logits = torch.where(attended[:, :, None, :], logits.view(G, Qg, H, S_c) * softmax_scale, float("-inf"))
+    logits = logits.view(T, H, S_c)
+    new_max = torch.maximum(row_max, logits.amax(dim=-1))
+    # Rows that have seen nothing yet keep max -inf; shift them by 0 so exp() gives 0, not NaN.
+    shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+    weights = torch.exp(logits - shift[..., None])
+    rescale = torch.exp(row_max - shift)
+    total = total * rescale + weights.sum(dim=-1)
+    pv = torch.bmm(weights.view(G, Qg * H, S_c), latent).view(T, H, L)
+    acc = acc * rescale[..., None] + pv
+    return new_max, total, acc
+
+
+def _run_chunks(step, num_chunks_static, num_chunks: Tensor, state, inputs):
+    """Fold chunks 0..num_chunks-1 with ``step(chunk, state, *inputs) -> state``: once, without a loop,
+    when there is statically at most one chunk; else in a while_loop."""
+    if isinstance(num_chunks_static, int) and num_chunks_static <= 1:
+        if num_chunks_static == 0:
+            return state
+        first = torch.zeros((), dtype=torch.int64, device=num_chunks.device)
+        return step(first, state, *inputs)
+
+    def cond(chunk, row_max, total, acc, *extra):
+        return chunk < extra[-1]
+
+    def body(chunk, row_max, total, acc, *extra):
+        return (chunk + 1, *step(chunk, (row_max, total, acc), *extra[:-1]))
+
+    start = torch.zeros((), dtype=torch.int64, device=num_chunks.device)
+    _, *state = while_loop(cond, body, (start, *state), (*inputs, num_chunks))
+    return tuple(state)
 
 
 def paged_decode_reference(
@@ -73,21 +151,61 @@ def paged_decode_reference(
     kv_scale: Tensor,
     sparse_indices: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """The contract of ``mla.paged_decode_with_lse``: returns (out [T, H, L] in q's dtype, lse [T, H] fp32)."""
-    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    """The contract of ``mla.paged_decode_with_lse``: returns (out [T, H, L] in q's dtype, lse [T, H] fp32).
+
+    With ``sparse_indices`` every listed slot is one key: a slot listed twice counts twice.
+    """
+    T, H, L = q_nope.shape
+    page_size = kv_cache.shape[1]
+    device = q_nope.device
     if sparse_indices is None:
-        slots, visible = gather_slots(block_table, seq_lens, page_size, P, q_nope.shape[0] // block_table.shape[0])
+        chunk_len = _pages_per_chunk(block_table.shape[1], page_size) * page_size
+        num_static = _ceil_div(block_table.shape[1] * page_size, chunk_len)
+        # Only as many chunks as the longest sequence needs (0 for an empty batch).
+        longest = torch.nn.functional.pad(seq_lens.long(), (0, 1)).amax()
+        num_chunks = _ceil_div(longest, chunk_len).clamp(0, num_static)
+
+        def step(chunk, state, qn, qp, cache, table, lens, scale):
+            q_per_seq = qn.shape[0] // table.shape[0]
+            pages, offsets, attended = dense_chunk(chunk, table, lens, cache.shape[0], cache.shape[1], q_per_seq)
+            return online_softmax_step(state, qn, qp, cache[pages, offsets], attended, scale, softmax_scale)
+
+        index_inputs = (block_table, seq_lens)
     else:
-        slots, visible = sparse_slots(sparse_indices, P * page_size)
-    rows = kv_cache.reshape(P * page_size, kv_cache.shape[-1])[slots]  # [T, S, width]
-    out, lse = attend(q_nope, q_pe, decode_tokens(rows, kv_scale), visible, softmax_scale)
+        topk = sparse_indices.shape[1]
+        num_static = _ceil_div(topk, _slots_per_chunk(topk))
+        num_chunks = torch.full((), num_static, dtype=torch.int64, device=device)
+
+        def step(chunk, state, qn, qp, cache, indices, scale):
+            pages, offsets, attended = sparse_chunk(chunk, indices, cache.shape[0], cache.shape[1])
+            return online_softmax_step(state, qn, qp, cache[pages, offsets], attended, scale, softmax_scale)
+
+        index_inputs = (sparse_indices,)
+    # The loop's tensors keep T, H, L as their own sizes (no T / B): a loop body's sizes must be
+    # computable from its inputs' sizes when Inductor generates it with dynamic shapes.
+    state = (torch.full((T, H), float("-inf"), device=device), torch.zeros(T, H, device=device),
+             torch.zeros(T, H, L, device=device))
+    inputs = (q_nope.float().contiguous(), q_pe.float().contiguous(), kv_cache, *index_inputs, kv_scale)
+    row_max, total, acc = _run_chunks(step, num_static, num_chunks, state, inputs)
+    seen = total > 0  # a row with nothing to attend: out 0, lse -inf
+    out = acc / torch.where(seen, total, 1.0)[..., None]
+    lse = torch.where(seen, torch.log(total) + row_max, float("-inf"))
     return out.to(q_nope.dtype), lse
 
 
 def cache_append_reference(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
-    """The contract of ``mla.cache_append``: writes encoded rows into their slots in place (-1 skipped)."""
+    """The contract of ``mla.cache_append``: writes encoded rows into their slots in place (-1 skipped).
+
+    A slot listed twice raises ValueError before anything is written: which of the two tokens a slot
+    would hold is not something every device can promise (GPU programs write rows concurrently).
+    """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    distinct, counts = torch.unique(slots, return_counts=True)
+    if bool((counts > 1).any()):
+        repeated = int(distinct[counts > 1][0])
+        raise ValueError(f"mla.cache_append: slot_mapping must list each slot at most once (-1 may repeat); "
+                         f"slot {repeated} is listed {int(counts[counts > 1][0])} times")
     rows = torch.cat([kv_c[keep].float(), k_pe[keep].float()], dim=-1)
     flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[-1])
     flat[slots] = encode_tokens(rows, cache_format(kv_cache), kv_scale)

@@ -1,12 +1,16 @@
 """The reference against a naive per-row float64 loop, and the cache writer's round trips."""
 
+import math
+
 import pytest
 import torch
 
 import mla_inductor
 from mla_inductor.cache import decode_tokens, pack_fp8_ds_mla, unpack_fp8_ds_mla
-from mla_inductor.testing import make_decode_inputs, relative_error
+from mla_inductor.testing import TOLERANCE, make_decode_inputs, relative_error
+from grids import compiled_decode, step_args
 from naive import naive_decode
+from poison import GARBAGE, HUGE_PAGE_ID, poisoned
 
 CASES = [
     # seq_lens, heads, Q, L, R, page_size, fmt, topk
@@ -91,3 +95,101 @@ def test_cache_append_skips_minus_one_and_saturates_fp8():
     flat = kv_cache.reshape(4, 6).float()
     assert flat[2].tolist() == [448.0, -448.0, 1.0, 2.0, 3.0, 4.0]
     assert bool((flat[[0, 1, 3]] == 0).all())
+
+
+# ----------------------------------------------------------------------------- memory the call does not attend
+# Eager on CPU runs the reference; compiled on CPU runs the Inductor code generated from it. Both must give
+# the oracle's result (which reads attended rows only) whatever lies in the rest of the cache.
+
+def _decode_step(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
+    return torch.ops.mla.paged_decode_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
+                                               kv_scale, sparse_indices)
+
+
+def _issue_repro_inputs():
+    """Issue 14's repro: seq 0 `len 3, table [1, -1]`, seq 1 `len 8, table [0, 2]`, NaN at seq 1's position 2."""
+    g = torch.Generator().manual_seed(14)
+    kv_cache = torch.randn(3, 4, 48, generator=g)
+    kv_cache[0, 2] = float("nan")  # seq 1, position 2: page 0, offset 2 (also what seq 0's -1 entry clamps to)
+    block_table = torch.tensor([[1, -1], [0, 2]], dtype=torch.int32)
+    seq_lens = torch.tensor([3, 8], dtype=torch.int32)
+    q_nope, q_pe = torch.randn(2, 2, 32, generator=g), torch.randn(2, 2, 16, generator=g)
+    return q_nope, q_pe, kv_cache, block_table, seq_lens, 0.25, torch.ones(1), None
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_issue_repro_nan_in_another_sequence_stays_there(mode):
+    args = _issue_repro_inputs()
+    step = torch.compile(_decode_step, fullgraph=True) if mode == "compiled" else _decode_step
+    torch._dynamo.reset()
+    out, lse = step(*args)
+    want_out, want_lse = naive_decode(*args)
+    assert relative_error(out[0], want_out[0]) < 1e-5 and relative_error(lse[0], want_lse[0]) < 1e-5
+    assert bool(out[1].isnan().all())  # seq 1 does attend its NaN: NaN is its right answer
+
+
+HOSTILE = {
+    # name: make_decode_inputs arguments (L=32, R=16 unless fp8_ds_mla)
+    "dense_chunks": dict(seq_lens=[150, 3, 0, 77], page_size=4),  # several chunks, a zero length, odd tails
+    "page1": dict(seq_lens=[70, 1], page_size=1),
+    "mtp_q3": dict(seq_lens=[66, 2, 9], page_size=16, q_per_seq=3),  # Q > seq_len for the second sequence
+    "sparse": dict(seq_lens=[90, 20], page_size=8, topk=70),  # padded rows: -1 behind slot 0's garbage
+}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("garbage", GARBAGE)
+@pytest.mark.parametrize("variant", sorted(HOSTILE))
+def test_unattended_memory_never_reaches_the_output_eager(variant, garbage, fmt):
+    big = fmt == "fp8_ds_mla"
+    x = make_decode_inputs(**HOSTILE[variant], num_heads=3, kv_lora_rank=512 if big else 32, rope_dim=64 if big else 16,
+                           fmt=fmt, q_dtype=torch.float32, max_pages=None, seed=len(variant))
+    for table_fill in (HUGE_PAGE_ID, -1):
+        bad = poisoned(x, garbage=garbage, table_fill=table_fill)
+        out, lse = torch.ops.mla.paged_decode_with_lse(*bad.args())
+        want_out, want_lse = naive_decode(*bad.args())
+        assert relative_error(out, want_out) < 1e-5, (table_fill, out)
+        assert relative_error(lse, want_lse) < 1e-5, (table_fill, lse)
+
+
+@pytest.mark.parametrize("fmt,variant", [("fp32", "dense_chunks"), ("bf16", "mtp_q3"), ("fp8_e4m3", "sparse"),
+                                         ("fp8_ds_mla", "dense_chunks")])
+def test_unattended_memory_never_reaches_the_output_compiled(fmt, variant):
+    big = fmt == "fp8_ds_mla"
+    x = make_decode_inputs(**HOSTILE[variant], num_heads=3, kv_lora_rank=512 if big else 32, rope_dim=64 if big else 16,
+                           fmt=fmt, q_dtype=torch.bfloat16, seed=3)
+    with compiled_decode(x.softmax_scale) as (step, counter):
+        for garbage in GARBAGE:
+            bad = poisoned(x, garbage=garbage)
+            out, lse = step(*step_args(bad))
+            want_out, want_lse = naive_decode(*bad.args())
+            assert relative_error(out, want_out) < TOLERANCE[torch.bfloat16], garbage
+            assert relative_error(lse, want_lse) < 1e-5, garbage
+    assert counter.frame_count == 1
+
+
+# ----------------------------------------------------------------------------- repeated slots
+def test_sparse_slot_listed_twice_counts_twice():
+    x = make_decode_inputs([30, 30], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4, q_dtype=torch.float32,
+                           topk=4)
+    once = x.sparse_indices.clone()
+    once[:, 1:] = -1
+    twice = once.clone()
+    twice[:, 2] = once[:, 0]
+    out1, lse1 = torch.ops.mla.paged_decode_with_lse(*x.args()[:-1], once)
+    out2, lse2 = torch.ops.mla.paged_decode_with_lse(*x.args()[:-1], twice)
+    assert torch.allclose(out1, out2, atol=1e-6)  # softmax over two equal keys: the same average
+    assert torch.allclose(lse2, lse1 + math.log(2), atol=1e-5)  # but twice the weight
+    want_out, want_lse = naive_decode(*x.args()[:-1], twice)
+    assert relative_error(lse2, want_lse) < 1e-6
+
+
+def test_cache_append_refuses_a_slot_listed_twice():
+    kv_cache = torch.zeros(2, 2, 6)
+    before = kv_cache.clone()
+    kv_c, k_pe = torch.randn(3, 4), torch.randn(3, 2)
+    with pytest.raises(ValueError, match=r"mla\.cache_append: slot_mapping .* slot 1 .*2 times"):
+        torch.ops.mla.cache_append(kv_cache, kv_c, k_pe, torch.tensor([1, -1, 1]), torch.ones(1))
+    assert torch.equal(kv_cache, before)  # nothing written
+    torch.ops.mla.cache_append(kv_cache, kv_c, k_pe, torch.tensor([1, -1, -1]), torch.ones(1))  # -1 twice is fine
+    assert torch.equal(kv_cache.reshape(4, 6)[1], torch.cat([kv_c[0], k_pe[0]]))
