@@ -86,7 +86,7 @@ TABLE: tuple[Row, ...] = (
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
         "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins on "
         "variable lengths and is within 5% of FlashInfer FA3 on uniform ones; it schedules on the device, "
-        "where FA3 plans on the host with a sync every step. FA3 takes page sizes other than 64"),
+        "where FA3 plans on the host every step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
         "H100, compiled per call: FlashMLA-fp8 fastest (q quantized per tensor on the device, so a larger "
         "error); FlashInfer FA3 with an fp8 cache is slower than its own bf16; our Triton fp8 kernel keeps q "
