@@ -361,7 +361,7 @@ def part_c(fmts, calls: int, cudagraphs: bool, deadline: Deadline, results: Resu
                 results.skip("c", f"{fmt} B={B} alone", "time limit")
                 continue
             torch.compiler.reset()
-            alone[B] = _timed_dynamic(cases[B], *inputs[B], None, cudagraphs, dynamic=False)
+            alone[B] = _timed_dynamic(cases[B], *inputs[B], None, cudagraphs)
         for mode in C_MODES:
             if deadline.spent():
                 results.skip("c", f"{fmt} {mode}", "time limit")
@@ -389,7 +389,7 @@ def part_c(fmts, calls: int, cudagraphs: bool, deadline: Deadline, results: Resu
         _free()
 
 
-def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, dynamic: bool = True, mark: bool = False):
+def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, mark: bool = False):
     """(us per call, backends the pass chose for this call's graph, error) of ``step`` (None: a new one
     compiled for these sizes alone) at this case's B."""
     c = case.c
@@ -426,6 +426,9 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> 
 
     from mla_inductor import hf
 
+    if deadline.spent():
+        results.skip("d", "HF model", "time limit")
+        return
     model_args = argparse.Namespace(small=False, layers=layers, intermediate=2048, vocab=32768)
     model = bench_e2e.build_model(model_args, torch.device("cuda"), torch.bfloat16)
     configs = [(fmt, B) for fmt in fmts for B in batches]
