@@ -15,11 +15,12 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    leaves it), so a plan cached from the previous step is never reused. Targets: ours / fastest peer
    <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs).
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
-   plan included, against the fastest peer's single call (plan outside). Target <= 1.3.
-c. One compiled function called at B = 4, 8, 16, 64 in turn (H=128, S=4096, a step of ``--c-calls`` calls,
-   CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile`` (automatic dynamic), with
-   ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for that B alone. Target:
-   <= 1.05 at every B, and the same backend.
+   plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
+   (``--all``: H=16 too). Target <= 1.3.
+c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp8_e4m3 too; H=128, S=4096,
+   a step of ``--c-calls`` calls, CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile``
+   (automatic dynamic), with ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for
+   that B alone. Target: <= 1.05 at every B, and the same backend.
 d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real attention dims, small dense
    MLP), context 4096, one decode step (``mla_inductor.hf.decode_one_token``) in four modes: the whole step
    compiled, with and without CUDA graphs, and each decoder layer compiled on its own (regional
@@ -264,9 +265,10 @@ def fastest(times: dict[str, float]) -> tuple[Optional[str], Optional[float]]:
 
 CASES = [(B, H, fmt) for fmt in ("bf16", "fp8_e4m3") for H in (128, 16) for B in (1, 32, 128)]
 QUICK_CASES = [(1, 128, "bf16"), (32, 128, "bf16"), (1, 128, "fp8_e4m3"), (128, 16, "bf16")]
+ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head counts (all with --all)
 
 
-def part_ab(cases, parts: str, deadline: Deadline, results: Results) -> None:
+def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -279,10 +281,11 @@ def part_ab(cases, parts: str, deadline: Deadline, results: Results) -> None:
             case = make_case(B, H, fmt)
             if "a" in parts:
                 back_to_back(case, results, deadline)
-            if "b" in parts and not deadline.spent():
-                one_call(case, results)
-            elif "b" in parts:
-                results.skip("b", label, "time limit")
+            if "b" in parts and H in one_call_heads:
+                if deadline.spent():
+                    results.skip("b", label, "time limit")
+                else:
+                    one_call(case, results)
         except Exception as e:  # noqa: BLE001 - one case failing must not stop the others
             traceback.print_exc()
             results.skip("a" if "a" in parts else "b", label, f"failed: {type(e).__name__}: {str(e)[:200]}")
@@ -358,7 +361,7 @@ def part_c(fmts, calls: int, cudagraphs: bool, deadline: Deadline, results: Resu
                 results.skip("c", f"{fmt} B={B} alone", "time limit")
                 continue
             torch.compiler.reset()
-            alone[B] = _timed_dynamic(cases[B], *inputs[B], None, cudagraphs, dynamic=False)
+            alone[B] = _timed_dynamic(cases[B], *inputs[B], None, cudagraphs)
         for mode in C_MODES:
             if deadline.spent():
                 results.skip("c", f"{fmt} {mode}", "time limit")
@@ -386,7 +389,7 @@ def part_c(fmts, calls: int, cudagraphs: bool, deadline: Deadline, results: Resu
         _free()
 
 
-def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, dynamic: bool = True, mark: bool = False):
+def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, mark: bool = False):
     """(us per call, backends the pass chose for this call's graph, error) of ``step`` (None: a new one
     compiled for these sizes alone) at this case's B."""
     c = case.c
@@ -423,6 +426,9 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> 
 
     from mla_inductor import hf
 
+    if deadline.spent():
+        results.skip("d", "HF model", "time limit")
+        return
     model_args = argparse.Namespace(small=False, layers=layers, intermediate=2048, vocab=32768)
     model = bench_e2e.build_model(model_args, torch.device("cuda"), torch.bfloat16)
     configs = [(fmt, B) for fmt in fmts for B in batches]
@@ -523,6 +529,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
     p.add_argument("--quick", action="store_true", help="a few cases per part (a smoke run of the script)")
+    p.add_argument("--all", action="store_true",
+                   help="part b at H=16 too and part c with fp8_e4m3 too (by default: H=128, bf16)")
     p.add_argument("--time-limit", type=float, default=510.0,
                    help="seconds for the whole run; rows not started by then are reported as not run")
     p.add_argument("--c-calls", type=int, default=CALLS, help="calls per step in part c")
@@ -540,10 +548,11 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if "a" in args.parts or "b" in args.parts:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
-        part_ab(QUICK_CASES if args.quick else CASES, args.parts, deadline, results)
+        part_ab(QUICK_CASES if args.quick else CASES, args.parts, (16, 128) if args.all else ONE_CALL_HEADS,
+                deadline, results)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
-        part_c(("bf16",) if args.quick else ("bf16", "fp8_e4m3"), args.c_calls, args.c_cudagraphs, deadline, results)
+        part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)
     if "d" in args.parts:
         progress("# part d: HF model modes")
         try:

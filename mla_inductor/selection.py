@@ -93,7 +93,7 @@ TABLE: tuple[Row, ...] = (
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
         "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins on "
         "variable lengths and is within 5% of FlashInfer FA3 on uniform ones; it schedules on the device, "
-        "where FA3 plans on the host with a sync every step. FA3 takes page sizes other than 64"),
+        "where FA3 plans on the host every step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
         "H100, compiled per call: FlashMLA-fp8 fastest, but it computes with q in e4m3 (one scale per tensor), "
         "so it takes only calls that opted in (a static q_scale, or allow_fp8_query; errors in docs/backends.md); "

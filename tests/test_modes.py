@@ -133,6 +133,21 @@ def test_a_symbolic_batch_selects_like_the_static_one(fake_sm90, fmt):
     FileCheck().check_not("torch.ops.mla.paged_decode").check("mla_flashmla").run(code)
 
 
+@pytest.mark.parametrize("traced,cls,batch", [(4, "class 1 < B <= 8", 8), (16, "class B > 8", None)])
+def test_a_batch_limit_inside_the_symbolic_range_is_guarded(fake_sm90, monkeypatch, traced, cls, batch):
+    """With a table distinguishing B <= 8 (a row's max_batch), a symbolic B is guarded on the side its traced
+    value is on; the problem carries the class's upper limit, which the rows answer as for any B in it."""
+    from mla_inductor.lowering import graph_pass
+
+    monkeypatch.setattr(graph_pass, "batch_limits", lambda: (1, 8))
+    sizes = Sizes()
+    B = sizes.symbolic("B", traced)
+    _, (decision,) = lowered(1, "bf16", B=B, sizes=sizes)
+    assert f"batch: symbolic (traced {traced}), {cls}" in decision.notes and decision.problem.batch == batch
+    guards = [str(g.expr) for g in sizes.env.guards]
+    assert any("8" in g and ("<=" in g or "<" in g or ">" in g) for g in guards), guards
+
+
 def test_the_batch_class_follows_the_table():
     """Static B=1 takes the B=1 row (FA3 on an H100 with bf16), a symbolic or unbacked B the B > 1 row."""
     from mla_inductor.info import example_problem

@@ -209,7 +209,7 @@ def _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale,
 
 
 def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                 sparse_indices) -> list[Tensor]:
+                 sparse_indices, key: Optional[_WrapperKey] = None) -> list[Tensor]:
     """Plan the cached wrapper for this call, or reuse its plan if it was made from these block_table /
     seq_lens / sparse_indices as they are now. Returns ``[row_counts int32 [T]]``.
 
@@ -217,7 +217,7 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     one they are copied from the device (one sync). Sparse calls need each row's count of valid slots on the
     host, which only the device knows: one device->host copy per plan.
     """
-    key = _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+    key = key or _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
     counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
     if counts is not None:
         return [counts]
@@ -254,9 +254,10 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
 
 
 def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                sparse_indices, plan: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Run the wrapper planned for this configuration: ``(out [T, H, L] q's dtype, lse [T, H] fp32)``."""
-    key = _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+                sparse_indices, plan: list[Tensor], key: Optional[_WrapperKey] = None) -> tuple[Tensor, Tensor]:
+    """Run the wrapper planned for this configuration: ``(out [T, H, L] q's dtype, lse [T, H] fp32)``.
+    ``key``: the configuration's, where the caller has it already (eager: the plan's)."""
+    key = key or _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
     entry = _WRAPPERS.get(key)
     if entry is None:
         raise RuntimeError(f"mla_flashinfer::run_{fi_backend}: no plan for this configuration ({key}); "
@@ -358,7 +359,8 @@ class FlashInferWrapperBackend(Backend):
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
-        return wrapper_run(self.fi_backend, *args, wrapper_plan(self.fi_backend, *args))
+        key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+        return wrapper_run(self.fi_backend, *args, wrapper_plan(self.fi_backend, *args, key=key), key=key)
 
 
 # ----------------------------------------------------------------------------- table-driven backends
