@@ -385,7 +385,8 @@ def main(argv=None) -> None:
     for r in rows:
         if r.ms and r.tokens_per_s is None and not r.error:
             r.tokens_per_s = r.batch / (r.ms / 1e3)
-        progress(f"[{r.name}] " + (r.error or f"{r.ms:.3f} ms, {r.tokens_per_s:.0f} tokens/s"))
+        rate = f"{r.tokens_per_s:.0f} tokens/s" if r.tokens_per_s else "too fast to tell from the noise"
+        progress(f"[{r.name}] " + (r.error or f"{r.ms:.3f} ms, {rate}"))
 
     derived = ratios({r.name: r for r in rows})
     table = markdown(rows, derived, args, env, bandwidth)

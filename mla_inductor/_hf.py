@@ -42,7 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from mla_inductor._compat import mark_static_address
-from mla_inductor.cache import PagedLatentCache
+from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache
 
 ATTN_IMPLEMENTATION = "mla_inductor"
 _LINK_ATTR = "_mla_inductor_link"
@@ -217,6 +217,9 @@ class PagedMLACache(Cache):
         # the device only, so no step needs the host-side page allocator.
         paged.reserve(max_seq_len)
         paged.seq_lens.zero_()
+        # The lengths then change inside compiled (CUDA-graph) steps, where no host copy can follow them:
+        # a plan that needs them on the host copies them from the device.
+        HOST_LENGTHS.forget(paged.seq_lens)
         super().__init__(layers=[_PagedLayer() for _ in range(num_layers)])
         self._paged = paged
         self.max_seq_len = max_seq_len
