@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_inductor._compat import argument_errors_reach_the_user
 from mla_inductor.contract import (
     OP_ARGS_SCHEMA,
     check_append_args,
@@ -55,7 +56,8 @@ paged_decode_with_lse = torch.library.custom_op(
 
 @paged_decode_with_lse.register_fake
 def _(*args):
-    check_decode_args(*args, op="paged_decode_with_lse")
+    with argument_errors_reach_the_user():
+        check_decode_args(*args, op="paged_decode_with_lse")
     return empty_decode_outputs(args[0])
 
 
@@ -70,7 +72,8 @@ paged_decode = torch.library.custom_op(
 
 @paged_decode.register_fake
 def _(*args):
-    check_decode_args(*args)
+    with argument_errors_reach_the_user():
+        check_decode_args(*args)
     return empty_decode_outputs(args[0])[0]
 
 
@@ -91,7 +94,8 @@ def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Ten
 
 @cache_append.register_fake
 def _(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
-    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    with argument_errors_reach_the_user():
+        check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 __all__ = ["cache_append", "paged_decode", "paged_decode_with_lse"]
