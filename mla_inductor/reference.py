@@ -51,14 +51,18 @@ def attend(q_nope: Tensor, q_pe: Tensor, keys: Tensor, visible: Tensor, softmax_
     L = q_nope.shape[-1]
     latent, rope = keys[..., :L], keys[..., L:]
     logits = torch.einsum("thl,tsl->ths", q_nope.float(), latent) + torch.einsum("thr,tsr->ths", q_pe.float(), rope)
-    logits = (logits * softmax_scale).masked_fill(~visible[:, None, :], float("-inf"))
+    # The row max is taken before scaling and the scale applied to the (non-positive) differences, so a
+    # huge scale (1e38) gives the limit, a one-hot softmax, where scaling first overflows to inf - inf.
+    sign, scale = (1.0, softmax_scale) if softmax_scale >= 0 else (-1.0, -softmax_scale)
+    hidden = ~visible[:, None, :]
+    logits = (logits * sign).masked_fill(hidden, float("-inf"))
     # Written out rather than torch.logsumexp, whose decomposition guards on numel (fails for unbacked
     # batch sizes). exp(-inf - -inf) is NaN, so fully masked rows shift by 0: weights 0, sum 0, lse -inf.
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    weights = torch.exp(logits - row_max)
+    weights = torch.exp(((logits - row_max) * scale).masked_fill(hidden, float("-inf")))
     total = weights.sum(dim=-1)
-    lse = torch.log(total) + row_max.squeeze(-1)
+    lse = torch.log(total) + row_max.squeeze(-1) * scale
     probs = weights / torch.where(total == 0, torch.ones_like(total), total)[..., None]
     return torch.einsum("ths,tsl->thl", probs, latent), lse
 
