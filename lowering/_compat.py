@@ -10,7 +10,8 @@ import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "current_post_grad_pass", "pattern_pass", "set_post_grad_pass"]
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "current_post_grad_pass", "keep_in_graph", "pattern_pass",
+           "set_post_grad_pass"]
 
 
 def current_post_grad_pass() -> Any:
@@ -36,3 +37,12 @@ def pattern_pass(name: str, ops: Iterable, handler: Callable[..., None]) -> Patt
     for op in ops:
         register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(handler)
     return patterns
+
+
+def keep_in_graph(op) -> None:
+    """Mark an op that returns nothing as having a side effect, so neither FX's nor Inductor's dead-code
+    elimination drops it (``torch.fx.node.has_side_effect``; Inductor's fallback kernels ask the same
+    registry, torch 2.11 to 2.14)."""
+    from torch.fx.node import has_side_effect
+
+    has_side_effect(op)

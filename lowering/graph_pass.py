@@ -25,9 +25,14 @@ from mla_inductor.contract import (
     DECODE_ARG_NAMES,
     OP_ARG_NAMES,
     DecodeProblem,
+    attends_nothing,
     check_decode_args,
+    debug_checks_enabled,
     empty_decode_outputs,
+    nothing_attended,
+    wants_value_checks,
 )
+from mla_inductor.lowering.checks import CHECK_DECODE_VALUES, CHECKED_ARGS
 from mla_inductor.selection import Selection, fp8_query_allowed, rank_backends, select_backend, user_preference
 
 from mla_inductor.lowering._compat import (
@@ -109,12 +114,16 @@ class PlanOps:
                 self.decode_and_plan[plan_op] = backend.decode_and_plan_op()
 
 
-def _replacement(backend, problem: DecodeProblem, with_lse: bool, constants: dict[int, Any],
-                 node_positions: list[int]):
-    """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
-    op, plan_op = backend.compiled_op(), backend.plan_op()
-    out_only = None if with_lse or op is None else backend.out_only_op()
-    quantized = backend.quantized_query_op(problem)
+def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, constants: dict[int, Any],
+                 node_positions: list[int], check_values: Optional[str] = None):
+    """A function of the call's tensor arguments (constants closed over) computing the backend's result
+    (``backend`` None: the call attends nothing). ``check_values``: the op's name, to check the arguments'
+    values first (``checks.py``)."""
+    op = plan_op = out_only = quantized = None
+    if backend is not None:
+        op, plan_op = backend.compiled_op(), backend.plan_op()
+        out_only = None if with_lse or op is None else backend.out_only_op()
+        quantized = backend.quantized_query_op(problem)
 
     def replacement(*tensors):
         args = [None] * len(OP_ARG_NAMES)
@@ -122,6 +131,11 @@ def _replacement(backend, problem: DecodeProblem, with_lse: bool, constants: dic
             args[i] = value
         for i, value in zip(node_positions, tensors):
             args[i] = value
+        if check_values is not None:
+            CHECK_DECODE_VALUES(*(args[i] for i in CHECKED_ARGS), check_values)
+        if backend is None:
+            out, lse = nothing_attended(args[0])
+            return (out, lse) if with_lse else out
         if quantized is not None:  # q's assembly and quantization become graph ops (lowering/fp8_query.py)
             return quantized_query_call(quantized, plan_op, args, with_lse)
         full = args[:len(DECODE_ARG_NAMES)]  # q_scale serves only backends that quantize q
@@ -227,17 +241,23 @@ def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
     with_lse = _DECODE_OPS[node.target]
     bound = _bind_decode_args(args, kwargs, OP_ARG_NAMES)
     fake = [_fake(a) for a in bound]
-    problem = check_decode_args(*fake)
+    op_name = "paged_decode_with_lse" if with_lse else "paged_decode"
+    check_values = op_name if wants_value_checks(fake[0]) else None
+    node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
+    constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
+    if attends_nothing(fake[0], fake[2], fake[3], fake[7]):  # no kernel: out 0, lse -inf (or empty)
+        replacement = _replacement(None, None, with_lse, constants, node_positions, check_values)
+        match.replace_by_example(replacement, [bound[i] for i in node_positions])
+        return
+    problem = check_decode_args(*fake, op=op_name)
     capability = device_capability(fake[0].device)
     selection = select_backend(problem, capability)
     if autotune_enabled() and fake[0].device.type == "cuda":
         selection = _autotuned(problem, capability, selection, fake)
     _log_decision(problem, capability, selection)
-    node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
-    constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
     backend = get_backend(selection.backend)
     ops.note(backend, with_lse)
-    replacement = _replacement(backend, problem, with_lse, constants, node_positions)
+    replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values)
     match.replace_by_example(replacement, [bound[i] for i in node_positions])
 
 
@@ -263,7 +283,7 @@ def _autotuned(problem, capability, selection, fake):
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
-             f"available={sorted(availability().items())}"]
+             f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]
     if torch.cuda.is_available():
         parts.append(f"gpu={torch.cuda.get_device_name()} sm={torch.cuda.get_device_capability()}")
