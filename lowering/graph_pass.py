@@ -20,7 +20,7 @@ import torch
 import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
 from mla_inductor.autotune import autotune_enabled, fastest_backend
-from mla_inductor.backends import availability, device_capability, get_backend, library_versions
+from mla_inductor.backends import availability, device_capability, environment_settings, get_backend, library_versions
 from mla_inductor.contract import (
     DECODE_ARG_NAMES,
     OP_ARG_NAMES,
@@ -33,6 +33,7 @@ from mla_inductor.contract import (
     wants_value_checks,
 )
 from mla_inductor.lowering.checks import CHECK_DECODE_VALUES, CHECKED_ARGS
+from mla_inductor.lowering.records import decisions_of_graph, log_decision, write_record
 from mla_inductor.selection import Selection, fp8_query_allowed, rank_backends, select_backend, user_preference
 
 from mla_inductor.lowering._compat import (
@@ -61,31 +62,6 @@ def _bind_decode_args(args: tuple, kwargs: dict, names: tuple[str, ...] = DECODE
 
 def _fake(value: Any) -> Any:
     return value.meta["val"] if isinstance(value, torch.fx.Node) else value
-
-
-@dataclass(frozen=True)
-class Decision:
-    problem: DecodeProblem
-    capability: Optional[tuple[int, int]]
-    backend: str
-    reasons: tuple[str, ...]
-
-
-_decisions: dict[Decision, None] = {}  # ordered set
-
-
-def decisions() -> list[Decision]:
-    """Every distinct backend choice the pass made in this process, in order. A graph that Inductor
-    serves from its FX graph cache was lowered earlier and makes no new entry here."""
-    return list(_decisions)
-
-
-def _log_decision(problem, capability, selection) -> None:
-    key = Decision(problem, capability, selection.backend, selection.reasons)
-    if key not in _decisions:
-        _decisions[key] = None
-        skipped = f" (passed over: {'; '.join(selection.reasons)})" if selection.reasons else ""
-        log.info("mla.paged_decode %s on capability %s -> %s%s", problem, capability, selection.backend, skipped)
 
 
 @dataclass
@@ -254,7 +230,7 @@ def _lower_decode_call(ops: PlanOps, match: Match, *args, **kwargs) -> None:
     selection = select_backend(problem, capability)
     if autotune_enabled() and fake[0].device.type == "cuda":
         selection = _autotuned(problem, capability, selection, fake)
-    _log_decision(problem, capability, selection)
+    log_decision(problem, capability, selection)
     backend = get_backend(selection.backend)
     ops.note(backend, with_lse)
     replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values)
@@ -283,7 +259,8 @@ def _autotuned(problem, capability, selection, fake):
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
-             f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}"]
+             f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}",
+             f"environment={environment_settings()}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]
     if torch.cuda.is_available():
         parts.append(f"gpu={torch.cuda.get_device_name()} sm={torch.cuda.get_device_capability()}")
@@ -331,8 +308,10 @@ class MLALoweringPass(CustomGraphPass):
         for previous in self._previous_passes():
             previous(graph)
         if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
-            self._decode_patterns().apply(graph)
+            with decisions_of_graph() as made:
+                self._decode_patterns().apply(graph)
             _share_plans(graph, self.plan_ops)
+            write_record(graph, made)
             graph.eliminate_dead_code()
 
     def uuid(self) -> Optional[Any]:
