@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from mla_inductor.contract import OP_ARG_NAMES, check_decode_values
-from mla_inductor.lowering._compat import keep_in_graph
+from mla_inductor.lowering._compat import assert_on_device, keep_in_graph
 
 Tensor = torch.Tensor
 
@@ -55,21 +55,17 @@ def assert_decode_values_on_device(kv_cache, block_table, seq_lens, kv_scale, sp
     P, page_size = kv_cache.shape[0], kv_cache.shape[1]
     capacity = block_table.shape[1] * page_size
     lens = seq_lens.long()
-    _assert(((lens >= 0) & (lens <= capacity)).all(),
+    assert_on_device(((lens >= 0) & (lens <= capacity)).all(),
             f"mla.{op}: seq_lens must lie in [0, max_pages * page_size = {capacity}]")
     used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page_size < lens[:, None]
     pages = block_table.long()
-    _assert((~used | ((pages >= 0) & (pages < P))).all(),
+    assert_on_device((~used | ((pages >= 0) & (pages < P))).all(),
             f"mla.{op}: block_table entries of used pages must lie in [0, num_pages={P})")
     if sparse_indices is not None:
         idx = sparse_indices.long()
-        _assert(((idx >= -1) & (idx < P * page_size)).all(),
+        assert_on_device(((idx >= -1) & (idx < P * page_size)).all(),
                 f"mla.{op}: sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size})")
     for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):
         if scale is not None:
             value = scale.reshape(())
-            _assert(torch.isfinite(value) & (value > 0), f"mla.{op}: {name} must be finite and positive")
-
-
-def _assert(condition: Tensor, message: str) -> None:
-    torch._assert_async(condition, message)
+            assert_on_device(torch.isfinite(value) & (value > 0), f"mla.{op}: {name} must be finite and positive")

@@ -124,7 +124,7 @@ def _compiled_with(anchor: Optional[torch.Tensor], key: str, record: str) -> Non
         message = (f"mla_inductor: a compiled graph chose its MLA backends {list(known.backends)} under the "
                    f"backend preference {known.preference}; the preference is now {user_preference()} and "
                    f"that graph keeps what it chose (Dynamo does not guard on the preference). "
-                   f"torch._dynamo.reset() or a new torch.compile compiles under the new one.")
+                   f"torch.compiler.reset() or a new torch.compile compiles under the new one.")
         log.warning(message)
         warnings.warn(message, stacklevel=2)
 
