@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "assert_on_device", "current_post_grad_pass", "keep_in_graph",
-           "pattern_pass", "set_post_grad_pass"]
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "current_post_grad_pass", "keep_in_graph", "pattern_pass",
+           "set_post_grad_pass"]
 
 
 def current_post_grad_pass() -> Any:
@@ -47,8 +46,3 @@ def keep_in_graph(op) -> None:
     from torch.fx.node import has_side_effect
 
     has_side_effect(op)
-
-
-def assert_on_device(condition: torch.Tensor, message: str) -> None:
-    """``torch._assert_async(condition, message)``: a device-side assert; the host does not wait for it."""
-    torch._assert_async(condition, message)

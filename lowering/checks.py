@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from mla_inductor.contract import OP_ARG_NAMES, check_decode_values
-from mla_inductor.lowering._compat import assert_on_device, keep_in_graph
+from mla_inductor.contract import OP_ARG_NAMES, assert_decode_values_on_device, check_decode_values
+from mla_inductor.lowering._compat import keep_in_graph
 
 Tensor = torch.Tensor
 
@@ -36,7 +36,8 @@ def check_decode_values_op(q_nope: Tensor, kv_cache: Tensor, block_table: Tensor
         check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op,
                             q_scale=q_scale)
     else:
-        assert_decode_values_on_device(kv_cache, block_table, seq_lens, kv_scale, sparse_indices, q_scale, op)
+        assert_decode_values_on_device(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op,
+                                       q_scale=q_scale)
 
 
 @check_decode_values_op.register_fake
@@ -46,26 +47,3 @@ def _(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, q_scale
 
 CHECK_DECODE_VALUES = torch.ops.mla.check_decode_values.default
 keep_in_graph(CHECK_DECODE_VALUES)  # it returns nothing: without this, dead-code elimination drops it
-
-
-def assert_decode_values_on_device(kv_cache, block_table, seq_lens, kv_scale, sparse_indices, q_scale,
-                                   op: str) -> None:
-    """The checks of ``check_decode_values`` as device-side asserts (``torch._assert_async``): nothing
-    waits for the device. The messages name the argument and the bound, as the eager ones do."""
-    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    capacity = block_table.shape[1] * page_size
-    lens = seq_lens.long()
-    assert_on_device(((lens >= 0) & (lens <= capacity)).all(),
-            f"mla.{op}: seq_lens must lie in [0, max_pages * page_size = {capacity}]")
-    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page_size < lens[:, None]
-    pages = block_table.long()
-    assert_on_device((~used | ((pages >= 0) & (pages < P))).all(),
-            f"mla.{op}: block_table entries of used pages must lie in [0, num_pages={P})")
-    if sparse_indices is not None:
-        idx = sparse_indices.long()
-        assert_on_device(((idx >= -1) & (idx < P * page_size)).all(),
-                f"mla.{op}: sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size})")
-    for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):
-        if scale is not None:
-            value = scale.reshape(())
-            assert_on_device(torch.isfinite(value) & (value > 0), f"mla.{op}: {name} must be finite and positive")

@@ -23,6 +23,12 @@ def check_value(cond, message: Callable[[], str]) -> None:
     torch._check_value(cond, message)
 
 
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)``: a device-side assert; the host does not wait for it (a
+    failed one stops the process with "device-side assert triggered"; on CPU it raises RuntimeError)."""
+    torch._assert_async(condition, message)
+
+
 def mark_static_address(t: torch.Tensor) -> None:
     """``torch._dynamo.mark_static_address``: CUDA-graph trees read the tensor in place, never copy it."""
     import torch._dynamo

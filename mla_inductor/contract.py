@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from mla_inductor._compat import check_value
+from mla_inductor._compat import assert_on_device, check_value
 from mla_inductor.cache import (
     FP8_DS_MLA_LATENT,
     FP8_DS_MLA_ROPE,
@@ -270,6 +270,39 @@ def _check_scale_value(op: str, name: str, scale: Tensor) -> None:
         fail(op, ValueError, f"{name} must be finite and positive, got {value}")
 
 
+def checks_on_device(t: Tensor) -> bool:
+    """Whether the value checks of a call on t's device must be device-side asserts: while a CUDA graph is
+    captured nothing may wait for the device (compiled graphs always use them on GPUs: lowering/checks.py)."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def assert_decode_values_on_device(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,
+                                   op: str = "paged_decode", q_scale=None) -> None:
+    """``check_decode_values`` as device-side asserts: nothing waits for the device. The messages name the
+    argument and the bound, as the host check's do (the offending values would need a sync)."""
+    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    lens = seq_lens.long()
+    assert_on_device(((lens >= 0) & (lens <= capacity)).all(),
+                     f"mla.{op}: seq_lens must lie in [0, max_pages * page_size = {capacity}]")
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page_size < lens[:, None]
+    pages = block_table.long()
+    assert_on_device((~used | ((pages >= 0) & (pages < P))).all(),
+                     f"mla.{op}: block_table entries of used pages must lie in [0, num_pages={P})")
+    if sparse_indices is not None:
+        idx = sparse_indices.long()
+        assert_on_device(((idx >= -1) & (idx < P * page_size)).all(),
+                         f"mla.{op}: sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size})")
+    for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):
+        if scale is not None:
+            _assert_scale_on_device(op, name, scale)
+
+
+def _assert_scale_on_device(op: str, name: str, scale: Tensor) -> None:
+    value = scale.reshape(())
+    assert_on_device(torch.isfinite(value) & (value > 0), f"mla.{op}: {name} must be finite and positive")
+
+
 def empty_decode_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:
     """Outputs with the contract's shapes and strides: out [T, H, L] in q's dtype, lse [T, H] fp32."""
     T, H, L = q_nope.shape
@@ -324,3 +357,12 @@ def check_append_values(kv_cache, slot_mapping, kv_scale) -> None:
         fail("cache_append", ValueError, f"slot_mapping must be -1 or a slot in [0, P * page_size = "
              f"{capacity}), got min {int(slots.min())}, max {int(slots.max())}")
     _check_scale_value("cache_append", "kv_scale", kv_scale)
+
+
+def assert_append_values_on_device(kv_cache, slot_mapping, kv_scale) -> None:
+    """``check_append_values`` as device-side asserts (nothing waits for the device)."""
+    capacity = kv_cache.shape[0] * kv_cache.shape[1]
+    slots = slot_mapping.long()
+    assert_on_device(((slots >= -1) & (slots < capacity)).all(),
+                     f"mla.cache_append: slot_mapping must be -1 or a slot in [0, P * page_size = {capacity})")
+    _assert_scale_on_device("cache_append", "kv_scale", kv_scale)

@@ -20,11 +20,14 @@ import torch
 from mla_inductor._compat import argument_errors_reach_the_user
 from mla_inductor.contract import (
     OP_ARGS_SCHEMA,
+    assert_append_values_on_device,
+    assert_decode_values_on_device,
     attends_nothing,
     check_append_args,
     check_append_values,
     check_decode_args,
     check_decode_values,
+    checks_on_device,
     empty_decode_outputs,
     nothing_attended,
     wants_value_checks,
@@ -39,8 +42,8 @@ def _decode(op: str, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                 sparse_indices, q_scale, op=op)
     if wants_value_checks(q_nope):
-        check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op,
-                            q_scale=q_scale)
+        check = assert_decode_values_on_device if checks_on_device(q_nope) else check_decode_values
+        check(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op, q_scale=q_scale)
     if attends_nothing(q_nope, kv_cache, block_table, sparse_indices):
         return nothing_attended(q_nope)
     out, lse = backend_for_eager(problem, q_nope.device).decode_with_q_scale(
@@ -92,7 +95,8 @@ def cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Ten
     """
     check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
     if wants_value_checks(slot_mapping):
-        check_append_values(kv_cache, slot_mapping, kv_scale)
+        check = assert_append_values_on_device if checks_on_device(slot_mapping) else check_append_values
+        check(kv_cache, slot_mapping, kv_scale)
     backend_for_append(kv_cache.device).append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
