@@ -7,7 +7,8 @@ be imported on the first compile that reaches Inductor; importing it installs th
 ours.
 """
 
-from mla_inductor.lowering.graph_pass import Decision, MLALoweringPass, decisions, install, installed_pass, uninstall
+from mla_inductor.lowering.graph_pass import MLALoweringPass, install, installed_pass, uninstall
+from mla_inductor.lowering.records import Decision, decisions
 
 install()
 

@@ -13,7 +13,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
 __all__ = ["CustomGraphPass", "Match", "as_pass_list", "cudagraphs_enabled", "current_post_grad_pass", "decide",
-           "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize", "static_size"]
+           "keep_in_graph", "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize",
+           "static_size"]
 
 
 def current_post_grad_pass() -> Any:
@@ -95,3 +96,12 @@ def decide(cond) -> Optional[bool]:
     if free_unbacked_symbols(cond):
         return None
     return bool(cond)  # evaluates for the traced sizes and records the guard
+
+
+def keep_in_graph(op) -> None:
+    """Mark an op that returns nothing as having a side effect, so neither FX's nor Inductor's dead-code
+    elimination drops it (``torch.fx.node.has_side_effect``; Inductor's fallback kernels ask the same
+    registry, torch 2.11 to 2.14)."""
+    from torch.fx.node import has_side_effect
+
+    has_side_effect(op)

@@ -29,15 +29,28 @@ import torch
 import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
 from mla_inductor.autotune import autotune_enabled, fastest_backend
-from mla_inductor.backends import availability, device_capability, get_backend, kernel_origins, library_versions
+from mla_inductor.backends import (
+    availability,
+    device_capability,
+    environment_settings,
+    get_backend,
+    kernel_origins,
+    library_versions,
+)
 from mla_inductor.contract import (
     DECODE_ARG_NAMES,
     OP_ARG_NAMES,
     DecodeProblem,
+    attends_nothing,
     check_decode_args,
+    debug_checks_enabled,
     empty_decode_outputs,
+    nothing_attended,
+    wants_value_checks,
 )
+from mla_inductor.lowering.checks import CHECK_DECODE_VALUES, CHECKED_ARGS
 from mla_inductor.lowering.merge_pass import lower_merge_calls
+from mla_inductor.lowering.records import decisions_of_graph, log_decision, write_record
 from mla_inductor.selection import (
     CallContext,
     Selection,
@@ -82,39 +95,6 @@ def _fake(value: Any) -> Any:
     return value.meta["val"] if isinstance(value, torch.fx.Node) else value
 
 
-@dataclass(frozen=True)
-class Decision:
-    """One backend choice of the pass: for which call (``problem``, with symbolic sizes as selected), on which
-    device, in which graph context; ``reasons`` says why each backend ahead of the winner was passed over
-    (a refusal, or a plan whose cost its graph cannot amortize), ``notes`` how symbolic sizes were decided."""
-
-    problem: DecodeProblem
-    capability: Optional[tuple[int, int]]
-    backend: str
-    reasons: tuple[str, ...]
-    context: Optional[CallContext] = None
-    notes: tuple[str, ...] = ()
-
-
-_decisions: dict[Decision, None] = {}  # ordered set
-
-
-def decisions() -> list[Decision]:
-    """Every distinct backend choice the pass made in this process, in order. A graph that Inductor
-    serves from its FX graph cache was lowered earlier and makes no new entry here."""
-    return list(_decisions)
-
-
-def _log_decision(problem, capability, selection, context=None, notes=()) -> None:
-    key = Decision(problem, capability, selection.backend, selection.reasons, context, tuple(notes))
-    if key not in _decisions:
-        _decisions[key] = None
-        skipped = f" (passed over: {'; '.join(selection.reasons)})" if selection.reasons else ""
-        shapes = f" [{'; '.join(notes)}]" if notes else ""
-        log.info("mla.paged_decode %s on capability %s in %s -> %s%s%s", problem, capability, context,
-                 selection.backend, skipped, shapes)
-
-
 @dataclass
 class PlanOps:
     """What the rewrite learned about the ops it put in the graph, for the plan-sharing phase after it."""
@@ -141,12 +121,16 @@ class PlanOps:
                 self.decode_and_plan[plan_op] = backend.decode_and_plan_op()
 
 
-def _replacement(backend, problem: DecodeProblem, with_lse: bool, constants: dict[int, Any],
-                 node_positions: list[int]):
-    """A function of the call's tensor arguments (constants closed over) computing the backend's result."""
-    op, plan_op = backend.compiled_op(), backend.plan_op()
-    out_only = None if with_lse or op is None else backend.out_only_op()
-    quantized = backend.quantized_query_op(problem)
+def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, constants: dict[int, Any],
+                 node_positions: list[int], check_values: Optional[str] = None):
+    """A function of the call's tensor arguments (constants closed over) computing the backend's result
+    (``backend`` None: the call attends nothing). ``check_values``: the op's name, to check the arguments'
+    values first (``checks.py``)."""
+    op = plan_op = out_only = quantized = None
+    if backend is not None:
+        op, plan_op = backend.compiled_op(), backend.plan_op()
+        out_only = None if with_lse or op is None else backend.out_only_op()
+        quantized = backend.quantized_query_op(problem)
 
     def replacement(*tensors):
         args = [None] * len(OP_ARG_NAMES)
@@ -154,6 +138,11 @@ def _replacement(backend, problem: DecodeProblem, with_lse: bool, constants: dic
             args[i] = value
         for i, value in zip(node_positions, tensors):
             args[i] = value
+        if check_values is not None:
+            CHECK_DECODE_VALUES(*(args[i] for i in CHECKED_ARGS), check_values)
+        if backend is None:
+            out, lse = nothing_attended(args[0])
+            return (out, lse) if with_lse else out
         if quantized is not None:  # q's assembly and quantization become graph ops (lowering/fp8_query.py)
             return quantized_query_call(quantized, plan_op, args, with_lse)
         full = args[:len(DECODE_ARG_NAMES)]  # q_scale serves only backends that quantize q
@@ -318,9 +307,17 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
     with_lse = _DECODE_OPS[node.target]
     bound = _bind_decode_args(args, kwargs, OP_ARG_NAMES)
     fake = [_fake(a) for a in bound]
-    check_decode_args(*fake)  # a bad call fails with the contract's message before any guard is added
+    op_name = "paged_decode_with_lse" if with_lse else "paged_decode"
+    check_values = op_name if wants_value_checks(fake[0]) else None
+    node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
+    constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
+    if attends_nothing(fake[0], fake[2], fake[3], fake[7]):  # no kernel: out 0, lse -inf (or empty)
+        replacement = _replacement(None, None, with_lse, constants, node_positions, check_values)
+        match.replace_by_example(replacement, [bound[i] for i in node_positions])
+        return
+    check_decode_args(*fake, op=op_name)  # a bad call fails with the contract's message before any guard
     notes, per_seq = _specialize_model_constants(fake)
-    problem = check_decode_args(*fake)
+    problem = check_decode_args(*fake, op=op_name)
     if problem.q_per_seq is None and per_seq is not None:
         problem = dataclasses.replace(problem, q_per_seq=per_seq)
     problem, batch_note = _batch_class(problem, fake[3].shape[0])
@@ -330,12 +327,10 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
     selection = select_backend(problem, capability, context=context)
     if autotune_enabled() and fake[0].device.type == "cuda":
         selection = _autotuned(problem, capability, selection, fake)
-    _log_decision(problem, capability, selection, context, notes)
-    node_positions = [i for i, a in enumerate(bound) if isinstance(a, torch.fx.Node)]
-    constants = {i: a for i, a in enumerate(bound) if not isinstance(a, torch.fx.Node)}
+    log_decision(problem, capability, selection, context, notes)
     backend = get_backend(selection.backend)
     ops.note(backend, with_lse)
-    replacement = _replacement(backend, problem, with_lse, constants, node_positions)
+    replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values)
     match.replace_by_example(replacement, [bound[i] for i in node_positions])
 
 
@@ -362,7 +357,8 @@ def _autotuned(problem, capability, selection, fake):
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
-             f"available={sorted(availability().items())}"]
+             f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}",
+             f"environment={environment_settings()}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]
     # Which build a backend loaded its kernels from decides the ops written (FlashMLA: a plan op where the
     # provider schedules on the device, else decode_and_plan) and the plan's shapes; library versions alone
@@ -417,10 +413,12 @@ class MLALoweringPass(CustomGraphPass):
         if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
             self.contexts = _call_contexts(graph)
             try:
-                self._decode_patterns().apply(graph)
+                with decisions_of_graph() as made:
+                    self._decode_patterns().apply(graph)
             finally:
                 self.contexts = {}
             _share_plans(graph, self.plan_ops)
+            write_record(graph, made)
             graph.eliminate_dead_code()
         lower_merge_calls(graph)
 

@@ -6,9 +6,11 @@ through 2.14) behind a small function, so a torch upgrade that moves one is mend
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
+import logging
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -19,6 +21,12 @@ CUDAGRAPH_UNSAFE_TAGS: tuple = tuple(t for t in (getattr(torch.Tag, "cudagraph_u
 def check_value(cond, message: Callable[[], str]) -> None:
     """``torch._check_value``: a guard for backed symbolic sizes, a runtime assert for unbacked ones."""
     torch._check_value(cond, message)
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)``: a device-side assert; the host does not wait for it (a
+    failed one stops the process with "device-side assert triggered"; on CPU it raises RuntimeError)."""
+    torch._assert_async(condition, message)
 
 
 def mark_static_address(t: torch.Tensor) -> None:
@@ -78,6 +86,55 @@ def all_to_all_equal_blocks(x: torch.Tensor, group) -> torch.Tensor:
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     funcol = _functional_collectives()
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
+# ----------------------------------------------------------------------------- argument errors at compile time
+
+# Dynamo runs each op's fake impl while it traces and wraps what it raises in its own TorchRuntimeError
+# (torch 2.11 to 2.14), all but its own ``torch._dynamo.exc.Unsupported`` errors, which it re-raises as they
+# are. An argument error raised by a fake impl is therefore re-raised as a subclass of both the documented
+# type and ``Unsupported``: the user catches the ValueError / TypeError the docs promise (with
+# fullgraph=True; without it Dynamo breaks the graph there and the eager op raises the plain error).
+_COMPILE_TIME_ERRORS: dict[type, type] = {}
+
+
+@contextlib.contextmanager
+def argument_errors_reach_the_user() -> Iterator[None]:
+    """Around a fake impl: an ``mla.``-prefixed ValueError / TypeError leaves it as a subclass that Dynamo
+    passes through unwrapped (see above). Outside a Dynamo trace nothing changes but the class."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        passing = _compile_time_error(type(e)) if str(e).startswith("mla.") else None
+        if passing is None:
+            raise
+        raise passing(str(e)).with_traceback(e.__traceback__) from None
+
+
+def _compile_time_error(base: type) -> type | None:
+    """The subclass of ``base`` (ValueError or TypeError) that also derives from Dynamo's ``Unsupported``;
+    None while Dynamo is not loaded (then nothing traces, and importing it would cost seconds)."""
+    dynamo_exc = sys.modules.get("torch._dynamo.exc")
+    if dynamo_exc is None:
+        return None
+    if base not in _COMPILE_TIME_ERRORS:
+        unsupported = dynamo_exc.Unsupported
+
+        def __init__(self, msg: str) -> None:
+            unsupported.__init__(self, msg)
+
+        _COMPILE_TIME_ERRORS[base] = type(f"Compile{base.__name__}", (base, unsupported), {
+            "__init__": __init__, "__module__": __name__,
+            "__doc__": f"A {base.__name__} raised while torch.compile traces an mla op; Dynamo re-raises it as is."})
+        # FakeTensorMode logs every TypeError raised under it, traceback and all, before Dynamo re-raises
+        # it: ours is the user's input error, already in the exception, so that record is dropped.
+        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_not_a_compile_time_error)
+    return _COMPILE_TIME_ERRORS[base]
+
+
+def _not_a_compile_time_error(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not isinstance(error, tuple(_COMPILE_TIME_ERRORS.values()))
 
 
 # ----------------------------------------------------------------------------- installing the pass lazily

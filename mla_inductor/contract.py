@@ -35,13 +35,14 @@ garbage: only pass one measured on real activations.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from mla_inductor._compat import check_value
+from mla_inductor._compat import assert_on_device, check_value
 from mla_inductor.cache import (
     FP8_DS_MLA_LATENT,
     FP8_DS_MLA_ROPE,
@@ -187,11 +188,17 @@ def check_decode_args(
     B = block_table.shape[0]
     _require(op, seq_lens.shape[0] == B, f"seq_lens must be [B={B}] (one length per block_table row), got "
              f"shape {tuple(seq_lens.shape)}")
-    _require(op, B != 0, "block_table must have at least one row (B >= 1)")
-    _require(op, T % B == 0, f"q_nope's T={T} must be a positive multiple of the batch size B={B} "
-             f"(T = B * new tokens per sequence)")
+    if _static_int(B) == 0:  # an empty batch: a valid call with nothing to compute
+        _require(op, T == 0, f"q_nope's T={T} must be 0 when the batch is empty (B=0)")
+    else:
+        # A symbolic batch size (mark_unbacked) must be >= 1: the graph divides T by it.
+        _require(op, B != 0, "block_table must have at least one row (B >= 1)")
+        _require(op, T % B == 0, f"q_nope's T={T} must be a positive multiple of the batch size B={B} "
+                 f"(T = B * new tokens per sequence)")
     if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool):
         fail(op, TypeError, f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        fail(op, ValueError, f"softmax_scale must be finite, got {softmax_scale}")
     _check_kv_scale(op, kv_scale, device)
     if q_scale is not None:
         _check_scale(op, "q_scale", q_scale, device, "the static per-tensor scale of the query, or None")
@@ -217,7 +224,7 @@ def check_decode_args(
         page_size=_static_int(kv_cache.shape[1]),
         sparse=sparse_indices is not None,
         topk=topk,
-        q_per_seq=_static_int(T // B),
+        q_per_seq=None if _static_int(B) == 0 else _static_int(T // B),
         batch=_static_int(B),
         fp8_query=q_scale is not None,
     )
@@ -252,14 +259,67 @@ def check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, spars
             fail(op, ValueError, f"sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size}), "
                   f"got min {int(idx.min())}, max {int(idx.max())}")
     for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):
-        if scale is not None and (not bool(torch.isfinite(scale).all()) or float(scale.reshape(())) <= 0):
-            fail(op, ValueError, f"{name} must be finite and positive, got {float(scale.reshape(()))}")
+        if scale is not None:
+            _check_scale_value(op, name, scale)
+
+
+def _check_scale_value(op: str, name: str, scale: Tensor) -> None:
+    # kv_scale also for caches that do not read it (the contract's 1.0): a NaN there is a bug one layer away.
+    value = float(scale.reshape(()))
+    if not math.isfinite(value) or value <= 0:
+        fail(op, ValueError, f"{name} must be finite and positive, got {value}")
+
+
+def checks_on_device(t: Tensor) -> bool:
+    """Whether the value checks of a call on t's device must be device-side asserts: while a CUDA graph is
+    captured nothing may wait for the device (compiled graphs always use them on GPUs: lowering/checks.py)."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def assert_decode_values_on_device(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,
+                                   op: str = "paged_decode", q_scale=None) -> None:
+    """``check_decode_values`` as device-side asserts: nothing waits for the device. The messages name the
+    argument and the bound, as the host check's do (the offending values would need a sync)."""
+    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    lens = seq_lens.long()
+    assert_on_device(((lens >= 0) & (lens <= capacity)).all(),
+                     f"mla.{op}: seq_lens must lie in [0, max_pages * page_size = {capacity}]")
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page_size < lens[:, None]
+    pages = block_table.long()
+    assert_on_device((~used | ((pages >= 0) & (pages < P))).all(),
+                     f"mla.{op}: block_table entries of used pages must lie in [0, num_pages={P})")
+    if sparse_indices is not None:
+        idx = sparse_indices.long()
+        assert_on_device(((idx >= -1) & (idx < P * page_size)).all(),
+                         f"mla.{op}: sparse_indices must be -1 or a slot in [0, P * page_size = {P * page_size})")
+    for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):
+        if scale is not None:
+            _assert_scale_on_device(op, name, scale)
+
+
+def _assert_scale_on_device(op: str, name: str, scale: Tensor) -> None:
+    value = scale.reshape(())
+    assert_on_device(torch.isfinite(value) & (value > 0), f"mla.{op}: {name} must be finite and positive")
 
 
 def empty_decode_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:
     """Outputs with the contract's shapes and strides: out [T, H, L] in q's dtype, lse [T, H] fp32."""
     T, H, L = q_nope.shape
     return q_nope.new_empty((T, H, L)), q_nope.new_empty((T, H), dtype=torch.float32)
+
+
+def attends_nothing(q_nope, kv_cache, block_table, sparse_indices=None) -> bool:
+    """Whether the call's static sizes leave no key for any row: no query rows (B = 0), no cache slots,
+    a zero-width block table, or K = 0 sparse slots. Symbolic sizes count as nonzero."""
+    width = block_table.shape[1] if sparse_indices is None else sparse_indices.shape[1]
+    return any(_static_int(n) == 0 for n in (q_nope.shape[0], kv_cache.shape[0], kv_cache.shape[1], width))
+
+
+def nothing_attended(q_nope: Tensor) -> tuple[Tensor, Tensor]:
+    """The contract's result for rows that see no key: out 0 (q's dtype), lse -inf."""
+    T, H, L = q_nope.shape
+    return q_nope.new_zeros((T, H, L)), q_nope.new_full((T, H), float("-inf"), dtype=torch.float32)
 
 
 def check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale) -> str:
@@ -288,10 +348,21 @@ def check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale) -> str:
     return fmt
 
 
-def check_append_values(kv_cache, slot_mapping) -> None:
-    """The check of cache_append that reads data: every slot is -1 or inside the cache."""
+def check_append_values(kv_cache, slot_mapping, kv_scale) -> None:
+    """The checks of cache_append that read data: every slot is -1 or inside the cache, and kv_scale is
+    finite and positive (an fp8 cache divides by it)."""
     capacity = kv_cache.shape[0] * kv_cache.shape[1]
     slots = slot_mapping.long()
     if slots.numel() and (bool((slots < -1).any()) or bool((slots >= capacity).any())):
         fail("cache_append", ValueError, f"slot_mapping must be -1 or a slot in [0, P * page_size = "
              f"{capacity}), got min {int(slots.min())}, max {int(slots.max())}")
+    _check_scale_value("cache_append", "kv_scale", kv_scale)
+
+
+def assert_append_values_on_device(kv_cache, slot_mapping, kv_scale) -> None:
+    """``check_append_values`` as device-side asserts (nothing waits for the device)."""
+    capacity = kv_cache.shape[0] * kv_cache.shape[1]
+    slots = slot_mapping.long()
+    assert_on_device(((slots >= -1) & (slots < capacity)).all(),
+                     f"mla.cache_append: slot_mapping must be -1 or a slot in [0, P * page_size = {capacity})")
+    _assert_scale_on_device("cache_append", "kv_scale", kv_scale)

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from mla_inductor._compat import argument_errors_reach_the_user
 from mla_inductor.contract import (
     OP_ARGS_SCHEMA,
     DecodeProblem,
+    assert_append_values_on_device,
+    assert_decode_values_on_device,
+    attends_nothing,
     check_append_args,
     check_append_values,
     check_decode_args,
     check_decode_values,
+    checks_on_device,
     empty_decode_outputs,
+    nothing_attended,
     wants_value_checks,
 )
 from mla_inductor.selection import backend_for_append, backend_for_eager
@@ -54,7 +60,10 @@ _MAX_SIGNATURES = 4096
 
 
 def _meta(a):
-    return (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a)
+    # softmax_scale's value is checked (finite), so it is part of the key; a NaN never equals a stored key.
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device)
+    return (type(a), a) if isinstance(a, (int, float)) else type(a)
 
 
 def _validated(op: str, args: tuple) -> DecodeProblem:
@@ -74,8 +83,10 @@ def _decode(op: str, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale)
     problem = _validated(op, args)
     if wants_value_checks(q_nope):
-        check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op,
-                            q_scale=q_scale)
+        check = assert_decode_values_on_device if checks_on_device(q_nope) else check_decode_values
+        check(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op, q_scale=q_scale)
+    if attends_nothing(q_nope, kv_cache, block_table, sparse_indices):
+        return nothing_attended(q_nope)
     out, lse = backend_for_eager(problem, q_nope.device).decode_with_q_scale(
         q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices, q_scale)
     return out.contiguous(), lse.contiguous()
@@ -87,7 +98,8 @@ def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
 
 
 def _paged_decode_with_lse_fake(*args):
-    check_decode_args(*args, op="paged_decode_with_lse")
+    with argument_errors_reach_the_user():
+        check_decode_args(*args, op="paged_decode_with_lse")
     return empty_decode_outputs(args[0])
 
 
@@ -101,7 +113,8 @@ def _paged_decode(*args) -> Tensor:
 
 
 def _paged_decode_fake(*args):
-    check_decode_args(*args)
+    with argument_errors_reach_the_user():
+        check_decode_args(*args)
     return empty_decode_outputs(args[0])[0]
 
 
@@ -120,12 +133,14 @@ def _cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Te
     """
     check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
     if wants_value_checks(slot_mapping):
-        check_append_values(kv_cache, slot_mapping)
+        check = assert_append_values_on_device if checks_on_device(slot_mapping) else check_append_values
+        check(kv_cache, slot_mapping, kv_scale)
     backend_for_append(kv_cache.device).append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 def _cache_append_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
-    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    with argument_errors_reach_the_user():
+        check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 cache_append = _define("cache_append", "(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "

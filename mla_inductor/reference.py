@@ -108,13 +108,17 @@ def online_softmax_step(state: tuple[Tensor, Tensor, Tensor], q_nope: Tensor, q_
     latent = keys[..., :L]
     logits = torch.bmm(q_nope.view(G, Qg * H, L), latent.transpose(1, 2))
     logits = logits + torch.bmm(q_pe.view(G, Qg * H, R), keys[..., L:].transpose(1, 2))
-    logits = torch.where(attended[:, :, None, :], logits.view(G, Qg, H, S_c) * softmax_scale, float("-inf"))
-    logits = logits.view(T, H, S_c)
+    # The running max is kept of the unscaled logits (times the scale's sign) and the scale applied to the
+    # (non-positive) differences, so a huge scale (1e38) gives the limit, a one-hot softmax, where scaling
+    # first overflows to inf - inf. ``row_max`` is in those units; the lse multiplies it by ``scale``.
+    sign, scale = (1.0, softmax_scale) if softmax_scale >= 0 else (-1.0, -softmax_scale)
+    seen = attended[:, :, None, :].expand(G, Qg, H, S_c).reshape(T, H, S_c)
+    logits = torch.where(seen, logits.view(T, H, S_c) * sign, float("-inf"))
     new_max = torch.maximum(row_max, logits.amax(dim=-1))
     # Rows that have seen nothing yet keep max -inf; shift them by 0 so exp() gives 0, not NaN.
     shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-    weights = torch.exp(logits - shift[..., None])
-    rescale = torch.exp(row_max - shift)
+    weights = torch.exp(torch.where(seen, (logits - shift[..., None]) * scale, float("-inf")))
+    rescale = torch.where(row_max == float("-inf"), 0.0, torch.exp((row_max - shift) * scale))
     total = total * rescale + weights.sum(dim=-1)
     pv = torch.bmm(weights.view(G, Qg * H, S_c), latent).view(T, H, L)
     acc = acc * rescale[..., None] + pv
@@ -189,7 +193,8 @@ def paged_decode_reference(
     row_max, total, acc = _run_chunks(step, num_static, num_chunks, state, inputs)
     seen = total > 0  # a row with nothing to attend: out 0, lse -inf
     out = acc / torch.where(seen, total, 1.0)[..., None]
-    lse = torch.where(seen, torch.log(total) + row_max, float("-inf"))
+    sign_scale = softmax_scale if softmax_scale >= 0 else -softmax_scale
+    lse = torch.where(seen, torch.log(total) + row_max * sign_scale, float("-inf"))
     return out.to(q_nope.dtype), lse
 
 

@@ -150,7 +150,9 @@ def user_preference() -> Optional[tuple[str, ...]]:
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    env = os.environ.get(BACKEND_ENV, "").strip()
+    env = os.environ.get(BACKEND_ENV)
+    if not env:  # the common case, read by every compiled graph's run (lowering/records.py): keep it short
+        return None
     return tuple(n.strip() for n in env.split(",") if n.strip()) or None
 
 
@@ -292,8 +294,8 @@ def select_backend(
 def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                      sparse_indices=None, q_scale=None) -> Selection:
     """The backend a ``mla.paged_decode`` call with these arguments gets (eager, and compiled: the pass
-    asks the same question). Unlike ``mla_inductor.lowering.decisions()``, it answers also when the
-    compiled graph came from Inductor's cache. Only shapes, dtypes and devices are read."""
+    asks the same question). Unlike ``mla_inductor.lowering.decisions()``, which lists what compiled
+    graphs chose, it answers before anything is compiled or run. Only shapes, dtypes and devices are read."""
     problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                 sparse_indices, q_scale)
     return select_backend(problem, backends.device_capability(q_nope.device))

@@ -87,12 +87,21 @@ def test_reasons_name_each_backend_passed_over():
 
 
 def test_user_preference_by_context_and_env(monkeypatch):
-    problem = example_problem("cpu", "bf16", False, 16, 64)
+    """Each preference picks a backend the table would not (SM90 bf16: the table's first is flashmla)."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    problem = example_problem("cuda", "bf16", False, 128, 64)
+    assert select_backend(problem, SM90, available=EVERYTHING).backend == "flashmla"
     with mla_inductor.prefer_backends("triton", "reference"):
-        sel = select_backend(problem, None, available=EVERYTHING)
-        assert sel.backend in ("triton", "reference")
+        sel = select_backend(problem, SM90, available=EVERYTHING)
+        assert (sel.backend, sel.reasons) == ("triton", ())
+        with mla_inductor.prefer_backends("reference"):  # the innermost block wins
+            assert select_backend(problem, SM90, available=EVERYTHING).backend == "reference"
+    with mla_inductor.prefer_backends("flashmla", "triton"):  # order matters, not membership
+        assert select_backend(problem, SM90, available={**EVERYTHING, "flashmla": "not installed"}).backend == "triton"
+    assert select_backend(problem, SM90, available=EVERYTHING).backend == "flashmla"  # the block ended
     monkeypatch.setenv(BACKEND_ENV, "reference")
-    assert select_backend(problem, None, available=EVERYTHING).backend == "reference"
+    assert select_backend(problem, SM90, available=EVERYTHING).backend == "reference"
+    problem = example_problem("cpu", "bf16", False, 16, 64)
     monkeypatch.setenv(BACKEND_ENV, "nope")
     with pytest.raises(ValueError, match=r"unknown MLA backend\(s\) \['nope'\]"):
         select_backend(problem, None, available=EVERYTHING)

@@ -56,6 +56,7 @@ Backend modules import their libraries lazily, so ``import mla_inductor`` needs 
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from typing import Optional, Union
 
@@ -82,6 +83,7 @@ class Backend:
 
     name: str = ""
     libraries: tuple[str, ...] = ()  # importable packages whose versions decide what the backend runs
+    environment: tuple[str, ...] = ()  # environment variables its answers read (in the pass's cache key)
     plan_is_optional: bool = False
     plans_on_host: bool = False  # the plan runs on the CPU, outside CUDA graphs (see selection.CallContext)
     plan_cost: str = "no plan"
@@ -218,6 +220,19 @@ def __getattr__(name: str):
                       "register_backend()", DeprecationWarning, stacklevel=2)
         return {n: e for n, e in _REGISTRY.items() if isinstance(e, str)}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def environment_settings() -> dict[str, Optional[str]]:
+    """The environment variables the known backends' answers read (``Backend.environment``), with their
+    values: a graph compiled under one setting must not be served from a cache to another."""
+    settings = {}
+    for name in _REGISTRY:
+        try:
+            names = get_backend(name).environment
+        except Exception:  # noqa: BLE001 - a backend that cannot import reads nothing
+            continue
+        settings.update({var: os.environ.get(var) for var in names})
+    return dict(sorted(settings.items()))
 
 
 def device_capability(device: torch.device) -> Optional[tuple[int, int]]:

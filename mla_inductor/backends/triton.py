@@ -38,6 +38,7 @@ DECODE_OP = decode_op("mla_triton::decode", _run)
 class TritonBackend(Backend):
     name = "triton"
     libraries = ("triton",)
+    environment = ("TRITON_INTERPRET",)  # decides whether CPU tensors are supported
 
     def unavailable_reason(self) -> Optional[str]:
         if importlib.util.find_spec("triton") is None:

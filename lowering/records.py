@@ -1,0 +1,173 @@
+"""What the pass chose, kept in the compiled graph itself, so it is known wherever the graph runs.
+
+``decisions()`` lists every distinct backend choice; each is logged once on the ``mla_inductor.lowering``
+logger. A graph Inductor serves from its FX graph (or AOTAutograd) cache was never seen by the pass in
+this process, so the pass also writes its choices into the graph: one call of ``mla::compiled_with(key,
+record)`` at the graph's start, whose ``record`` (JSON: the decisions of the graph's calls and the user
+preference they were made under) is a constant of the generated code and so cached with it.
+
+At run time that op costs a dict lookup and one tuple compare. The first run of a record this process has
+not made adds its decisions to ``decisions()`` and logs them; a run under another preference than the one
+compiled in (``prefer_backends`` / ``MLA_INDUCTOR_BACKEND`` changed after compiling: Dynamo does not guard
+on it) warns once per graph that the graph keeps the backends it chose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from mla_inductor.contract import DecodeProblem
+from mla_inductor.lowering._compat import keep_in_graph
+from mla_inductor.selection import CallContext, user_preference
+
+log = logging.getLogger("mla_inductor.lowering")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One backend choice of the pass: for which call (``problem``, with symbolic sizes as selected), on which
+    device, in which graph context; ``reasons`` says why each backend ahead of the winner was passed over
+    (a refusal, or a plan whose cost its graph cannot amortize), ``notes`` how symbolic sizes were decided."""
+
+    problem: DecodeProblem
+    capability: Optional[tuple[int, int]]
+    backend: str
+    reasons: tuple[str, ...]
+    context: Optional[CallContext] = None
+    notes: tuple[str, ...] = ()
+
+
+_decisions: dict[Decision, None] = {}  # ordered set
+_graphs_being_lowered: list[dict[Decision, None]] = []
+
+
+def decisions() -> list[Decision]:
+    """Every distinct backend choice of the graphs compiled or loaded from Inductor's caches in this
+    process, in order (a cached graph's once it has run)."""
+    return list(_decisions)
+
+
+def _remember(decision: Decision, how: str) -> None:
+    if decision not in _decisions:
+        _decisions[decision] = None
+        skipped = f" (passed over: {'; '.join(decision.reasons)})" if decision.reasons else ""
+        shapes = f" [{'; '.join(decision.notes)}]" if decision.notes else ""
+        log.info("mla.paged_decode %s on capability %s in %s -> %s%s%s%s", decision.problem, decision.capability,
+                 decision.context, decision.backend, skipped, shapes, how)
+
+
+def log_decision(problem: DecodeProblem, capability, selection, context: Optional[CallContext] = None,
+                 notes=()) -> Decision:
+    """Record the pass's choice for one call (kept for the graph being lowered, if any)."""
+    decision = Decision(problem, capability, selection.backend, selection.reasons, context, tuple(notes))
+    _remember(decision, "")
+    if _graphs_being_lowered:
+        _graphs_being_lowered[-1][decision] = None
+    return decision
+
+
+@contextlib.contextmanager
+def decisions_of_graph() -> Iterator[dict[Decision, None]]:
+    """Collects the decisions ``log_decision`` records while one graph is rewritten."""
+    made: dict[Decision, None] = {}
+    _graphs_being_lowered.append(made)
+    try:
+        yield made
+    finally:
+        _graphs_being_lowered.pop()
+
+
+# ----------------------------------------------------------------------------- the record in the graph
+
+@dataclass
+class _Record:
+    preference: Optional[tuple[str, ...]]
+    backends: tuple[str, ...]
+    warned: bool = False
+
+
+_records: dict[str, _Record] = {}  # key -> what a compiled graph chose, for the graphs seen in this process
+
+
+def write_record(graph: torch.fx.Graph, made: dict[Decision, None]) -> None:
+    """Put ``mla::compiled_with(key, record)`` at the start of ``graph`` (if the pass chose anything)."""
+    if not made:
+        return
+    preference = user_preference()
+    record = json.dumps({"preference": preference, "decisions": [_as_json(d) for d in made]}, sort_keys=True)
+    key = hashlib.sha256(record.encode()).hexdigest()[:16]
+    _records[key] = _Record(preference, tuple(dict.fromkeys(d.backend for d in made)))
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        node = graph.call_function(COMPILED_WITH, (_anchor(graph, next(iter(made))), key, record))
+    node.meta["val"] = None
+
+
+def _anchor(graph: torch.fx.Graph, decision: Decision) -> Optional[torch.fx.Node]:
+    """An input tensor on the calls' device, given to the op only to place it there: Inductor keeps a
+    GPU op inside the graph's CUDA graphs (where it runs when they are recorded, not at each replay),
+    whereas an op on no device would be split out of them and run at every step."""
+    for node in graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and value.device.type == decision.problem.device_type:
+            return node
+    return None
+
+
+def _compiled_with(anchor: Optional[torch.Tensor], key: str, record: str) -> None:
+    known = _records.get(key)
+    if known is None:
+        known = _records[key] = _load(record)
+    if not known.warned and user_preference() != known.preference:
+        known.warned = True
+        message = (f"mla_inductor: a compiled graph chose its MLA backends {list(known.backends)} under the "
+                   f"backend preference {known.preference}; the preference is now {user_preference()} and "
+                   f"that graph keeps what it chose (Dynamo does not guard on the preference). "
+                   f"torch.compiler.reset() or a new torch.compile compiles under the new one.")
+        log.warning(message)
+        warnings.warn(message, stacklevel=2)
+
+
+def _load(record: str) -> _Record:
+    """A record this process did not write: a graph from Inductor's cache. Its decisions join
+    ``decisions()`` and are logged."""
+    data = json.loads(record)
+    made = [_from_json(d) for d in data["decisions"]]
+    for decision in made:
+        _remember(decision, " (a compiled graph from Inductor's cache)")
+    preference = tuple(data["preference"]) if data["preference"] is not None else None
+    return _Record(preference, tuple(dict.fromkeys(d.backend for d in made)))
+
+
+def _as_json(decision: Decision) -> dict:
+    problem = {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v)
+               for k, v in dataclasses.asdict(decision.problem).items()}
+    context = dataclasses.asdict(decision.context) if decision.context is not None else None
+    return {"problem": problem, "capability": decision.capability, "backend": decision.backend,
+            "reasons": list(decision.reasons), "context": context, "notes": list(decision.notes)}
+
+
+def _from_json(data: dict) -> Decision:
+    problem = dict(data["problem"], q_dtype=getattr(torch, data["problem"]["q_dtype"]))
+    capability = tuple(data["capability"]) if data["capability"] is not None else None
+    context = CallContext(**data["context"]) if data.get("context") is not None else None
+    return Decision(DecodeProblem(**problem), capability, data["backend"], tuple(data["reasons"]), context,
+                    tuple(data.get("notes", ())))
+
+
+# Defined with the low-level Library API: no custom_op Python layers on a call made every step.
+_LIB = torch.library.Library("mla", "FRAGMENT")
+_LIB.define("compiled_with(Tensor? anchor, str key, str record) -> ()")
+_LIB.impl("compiled_with", _compiled_with, "CompositeExplicitAutograd")
+torch.library.register_fake("mla::compiled_with", lambda anchor, key, record: None, lib=_LIB)
+COMPILED_WITH = torch.ops.mla.compiled_with.default
+keep_in_graph(COMPILED_WITH)  # it returns nothing: without this, dead-code elimination drops it
