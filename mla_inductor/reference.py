@@ -22,6 +22,7 @@ over kernels. A call whose whole block table (or list of slots) fits one chunk r
 
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
@@ -206,11 +207,11 @@ def cache_append_reference(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_ma
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    distinct, counts = torch.unique(slots, return_counts=True)
-    if bool((counts > 1).any()):
-        repeated = int(distinct[counts > 1][0])
+    listed = slots.tolist()  # a host list: far cheaper than torch.unique for a decode step's few slots
+    if len(set(listed)) != len(listed):
+        repeated, times = collections.Counter(listed).most_common(1)[0]
         raise ValueError(f"mla.cache_append: slot_mapping must list each slot at most once (-1 may repeat); "
-                         f"slot {repeated} is listed {int(counts[counts > 1][0])} times")
+                         f"slot {repeated} is listed {times} times")
     rows = torch.cat([kv_c[keep].float(), k_pe[keep].float()], dim=-1)
     flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[-1])
     flat[slots] = encode_tokens(rows, cache_format(kv_cache), kv_scale)
