@@ -17,7 +17,7 @@ A case edits the arguments of a valid call (``BASES``) and expects either
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
 
@@ -59,7 +59,7 @@ class Case:
     base: str  # a key of BASES, or "append" / "append_fp8"
     edit: Callable[[dict], None]
     expect: Union[Raises, Returns]
-    pending: Optional[str] = None  # a promise this branch does not keep yet (the test is a strict xfail)
+    gpu_form: bool = True  # a "run" check that GPUs also make in debug mode (device asserts)
 
 
 def base_args(base: str) -> dict:
@@ -348,6 +348,8 @@ CASES: list[Case] = [
     Case("sparse row of -1 only", PD, "sparse", at("sparse_indices", 0, -1), Returns("its row: out 0, lse -inf")),
     Case("sparse rows of -1 only", PD, "sparse", put("sparse_indices", lambda a: torch.full((2, 4), -1, dtype=I32)),
          Returns("out 0, lse -inf")),
+    Case("sparse slot listed twice in a row", PD, "sparse", at("sparse_indices", (1, 1), 8),
+         Returns("the contract's result: the slot counts twice")),
     Case("sparse K=0", PD, "sparse", put("sparse_indices", lambda a: a["sparse_indices"][:, :0]),
          Returns("out 0, lse -inf")),
     Case("zero-width block table [2, 0], lengths 0", PD, "dense",
@@ -424,6 +426,10 @@ CASES: list[Case] = [
          Raises(ValueError, "kv_scale must be finite and positive, got inf", "run")),
     Case("cache_append: kv_scale NaN (fp32 cache, unread)", CA, "append", put("kv_scale", torch.full((1,), float("nan"))),
          Raises(ValueError, "kv_scale must be finite and positive, got nan", "run")),
+    Case("cache_append: slot 6 listed twice (the CPU writer refuses it; unspecified on GPU)", CA, "append",
+         at("slot_mapping", 2, 6),
+         Raises(ValueError, "slot_mapping must list each slot at most once (-1 may repeat); slot 6 is listed 2 times",
+                "run"), gpu_form=False),
     Case("cache_append: slot -1", CA, "append", at("slot_mapping", 1, -1),
          Returns("that token is skipped, the others written", "written")),
     Case("cache_append: no tokens (N=0)", CA, "append",
