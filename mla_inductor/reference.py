@@ -181,11 +181,13 @@ def paged_decode_reference(
         num_static = _ceil_div(topk, _slots_per_chunk(topk))
         num_chunks = torch.full((), num_static, dtype=torch.int64, device=device)
 
-        def step(chunk, state, qn, qp, cache, indices, scale):
+        def step(chunk, state, qn, qp, cache, indices, lens, scale):
             pages, offsets, attended = sparse_chunk(chunk, indices, cache.shape[0], cache.shape[1])
             return online_softmax_step(state, qn, qp, cache[pages, offsets], attended, scale, softmax_scale)
 
-        index_inputs = (sparse_indices,)
+        # seq_lens is unread here, but a loop input: the compiler may have written T as Q * B (the pass fixes
+        # Q, a model constant), and the loop body can only size its tensors from its inputs' sizes.
+        index_inputs = (sparse_indices, seq_lens)
     # The loop's tensors keep T, H, L as their own sizes (no T / B): a loop body's sizes must be
     # computable from its inputs' sizes when Inductor generates it with dynamic shapes.
     state = (torch.full((T, H), float("-inf"), device=device), torch.zeros(T, H, device=device),

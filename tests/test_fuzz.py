@@ -135,7 +135,7 @@ class Call:
 
 @st.composite
 def calls(draw, fmts=FORMATS, q_dtypes=Q_DTYPES, sparse=(False, True), dims=None, heads=(1, 6), batch=(1, 4),
-          q_per_seq=(1, 3), pages=(1, 2, 3, 5, 16, 64), max_len=200, min_sizes=1, scale_factors=None):
+          q_per_seq=(1, 3), pages=(1, 2, 3, 5, 16, 64), max_len=200, min_sizes=1, scale_factors=None, topks=(1, 90)):
     """A Call. For compiled cases: ``min_sizes=2`` keeps every tensor dimension >= 2 (no size-1
     specialisation) and ``scale_factors`` fixes the softmax scale (a float argument is a guard)."""
     fmt = draw(st.sampled_from(fmts))
@@ -154,7 +154,7 @@ def calls(draw, fmts=FORMATS, q_dtypes=Q_DTYPES, sparse=(False, True), dims=None
         spare_table_cols=draw(st.integers(min_sizes, 3)),
         spare_pages=draw(st.integers(min_sizes, 3)),
         share_pages=draw(st.booleans()),
-        topk=draw(st.integers(max(1, min_sizes), 90)) if is_sparse else None,
+        topk=draw(st.integers(max(topks[0], min_sizes), topks[1])) if is_sparse else None,
         garbage=draw(st.sampled_from(GARBAGE)),
         table_fill=draw(st.sampled_from(TABLE_FILLS)),
         q_scale=draw(st.sampled_from([0.1, 1.0, 4.0, 20.0])),
@@ -181,29 +181,22 @@ def test_fuzz_eager_reference(call):
     assert_matches_oracle(x, out, lse, tolerances_for(call.fmt, call.q_dtype), call)
 
 
-# One compiled function per family, all sizes symbolic and >= 2. The generated code specialises on
-# Q == 1 vs Q >= 2 and on pages of >= 64 tokens (one page per chunk), so each family keeps to one side.
+# One compiled function per family. The pass fixes a model's constants (heads, page size, new tokens per
+# sequence, top-k) to their traced values with a guard, so a family keeps each to one value and draws the
+# rest: batch sizes (symbolic, >= 2), lengths, table garbage, scales, data. One graph per family.
 COMPILED_FAMILIES = {
     "bf16_dense_q1": dict(fmts=("bf16",), q_dtypes=(torch.bfloat16,), sparse=(False,), dims=(32, 16),
-                          q_per_seq=(1, 1), pages=(2, 3, 5, 16)),
+                          heads=(3, 3), q_per_seq=(1, 1), pages=(5,)),
     "fp8_ds_mla_dense_mtp": dict(fmts=("fp8_ds_mla",), q_dtypes=(torch.bfloat16,), sparse=(False,),
-                                 q_per_seq=(2, 3), pages=(64,), heads=(2, 4), max_len=140),
+                                 heads=(3, 3), q_per_seq=(2, 2), pages=(64,), max_len=140),
     "fp8_e4m3_sparse": dict(fmts=("fp8_e4m3",), q_dtypes=(torch.bfloat16,), sparse=(True,), dims=(16, 8),
-                            q_per_seq=(1, 3), pages=(2, 3, 16)),
+                            heads=(2, 2), q_per_seq=(3, 3), pages=(16,), topks=(40, 40)),
 }
 COMPILED_EXAMPLES = 40
 
 
-# Known failures after the pass began guarding model constants and checking values in compiled code: these
-# groups hit Dynamo's recompile limit or differ from the oracle (all-zero lengths with garbage in the
-# table). Open in issue 14; not counted as passing.
-_KNOWN_COMPILED_FAILURES = {'fp8_ds_mla_dense_mtp', 'fp8_e4m3_sparse', 'bf16_dense_q1'}
-
-
 @pytest.mark.usefixtures("one_thread_on_cpu")
-@pytest.mark.parametrize("family", [pytest.param(g, marks=pytest.mark.xfail(
-    reason="open: recompile limit / compiled mismatch, issue 14", strict=False)) if g in _KNOWN_COMPILED_FAILURES
-    else g for g in sorted(COMPILED_FAMILIES)])
+@pytest.mark.parametrize("family", sorted(COMPILED_FAMILIES))
 def test_fuzz_compiled_cpu(family):
     dims = COMPILED_FAMILIES[family].get("dims", (512, 64))
     with compiled_decode(0.7 * sum(dims) ** -0.5) as (step, counter):

@@ -40,9 +40,11 @@ def test_reference_eager(name):
     check_against_oracle(x, out, lse, tolerances(case), name)
 
 
-# The compiled CPU path: one compiled function per group, dynamic shapes. The generated code specialises
-# on Q == 1, on pages of one token and of >= 64 tokens (one page per chunk), so a group keeps to one
-# of each and compiles one graph; formats the groups leave out run compiled in tests/test_fuzz.py.
+# The compiled CPU path: one compiled function per group, dynamic shapes. The pass fixes a model's constants
+# (heads, page size, new tokens per sequence, top-k) to their traced values with a guard, so a group compiles
+# one graph per distinct set of them and shares it between the cases that agree (batch sizes and lengths
+# stay symbolic). The generated code also specialises on Q == 1 and on pages of one token; formats the
+# groups leave out run compiled in tests/test_fuzz.py.
 COMPILED_GROUPS = {
     "dense_q_gt_1": ["flashinfer_oob_nan_page16_q7", "flashinfer_oob_nan_page16_q17", "q4_longer_than_sequence"],
     "dense_q2_page64": ["flashmla_s140_varlen_h3_q2", "flashmla_zero_lengths_h9_q2"],
@@ -51,23 +53,20 @@ COMPILED_GROUPS = {
 }
 
 
-# Known failures after the pass began guarding model constants and checking values in compiled code: these
-# groups hit Dynamo's recompile limit or differ from the oracle (all-zero lengths with garbage in the
-# table). Open in issue 14; not counted as passing.
-_KNOWN_COMPILED_FAILURES = {'dense_q2_page64', 'dense_q_gt_1', 'sparse_fp8_ds_mla'}
+def model_constants(case) -> tuple:
+    return case.heads, case.q_per_seq, case.page_size, case.topk, case.fmt, case.q_dtype
 
 
 @pytest.mark.usefixtures("one_thread_on_cpu")
-@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.xfail(
-    reason="open: recompile limit / compiled mismatch, issue 14", strict=False)) if g in _KNOWN_COMPILED_FAILURES
-    else g for g in sorted(COMPILED_GROUPS)])
+@pytest.mark.parametrize("group", sorted(COMPILED_GROUPS))
 def test_compiled_cpu(group):
     cases = [(name, CASES[name], build(CASES[name], seed=len(name))) for name in COMPILED_GROUPS[group]]
     with compiled_decode(cases[0][2].softmax_scale) as (step, counter):
         for name, case, x in cases:
             out, lse = step(*step_args(x))
             check_against_oracle(x, out, lse, tolerances(case), f"compiled {name}")
-    assert counter.frame_count == 1, f"{counter.frame_count} graphs for group {group}"
+    graphs = len({model_constants(case) for _, case, _ in cases})
+    assert counter.frame_count == graphs, f"{counter.frame_count} graphs for group {group}, {graphs} expected"
 
 
 @needs_triton_on_cpu
