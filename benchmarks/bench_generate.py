@@ -44,14 +44,9 @@ from typing import Optional
 import torch
 from report import add_out_argument, environment, environment_line, markdown_table, progress, write_results
 
+from bench_e2e import REAL_V3_ATTENTION, SMALL_ATTENTION, YARN  # one DeepSeek-V3 shape for both
 from mla_inductor.cache import token_width
 
-REAL_V3_ATTENTION = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
-                         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
-SMALL_ATTENTION = dict(hidden_size=128, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=64,
-                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
-            mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
 TARGETS = {"generate-mla / loop-mla": 0.8, "generate-mla / generate-hf": 20.0, "prefill-hf / prefill-mla": 1.0}
 
 

@@ -293,6 +293,21 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
             _free()
 
 
+def _time_ours(case: Case, qs, caches, mode: str, best: float, row: dict) -> None:
+    """Time our step in one mode and write its µs, ratio to ``best``, backend and error into ``row``."""
+    try:
+        ours = OurStep(case, qs, caches, mode)
+        us = ours.us_per_call()
+        row[f"{mode}_us"], row[f"{mode}_ratio"] = us, _ratio(us, best)
+        row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
+        row[f"{mode}_err"] = relative_error(ours.first.float(), case.reference)
+        del ours
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row[f"{mode}_us"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    _free()
+
+
 def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
     qs = queries(case, CALLS)
     caches = layer_caches(case.kv_cache, CALLS)
@@ -307,17 +322,7 @@ def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
         if deadline.spent():
             row[f"{mode}_us"] = "time limit"
             continue
-        try:
-            ours = OurStep(case, qs, caches, mode)
-            us = ours.us_per_call()
-            row[f"{mode}_us"], row[f"{mode}_ratio"] = us, _ratio(us, best)
-            row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
-            row[f"{mode}_err"] = relative_error(ours.first.float(), case.reference)
-            del ours
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            row[f"{mode}_us"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        _free()
+        _time_ours(case, qs, caches, mode, best, row)
     results.add("a", row)
 
 
@@ -330,17 +335,7 @@ def one_call(case: Case, results: Results) -> None:
     best_name, best = fastest(peer_times)
     row = dict(case=case.label, best_peer=best_name, peer_us=best)
     for mode in ("compiled", "cudagraphs"):
-        try:
-            ours = OurStep(case, qs, caches, mode)
-            us = ours.us_per_call()
-            row[f"{mode}_us"], row[f"{mode}_ratio"] = us, _ratio(us, best)
-            row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
-            row[f"{mode}_err"] = relative_error(ours.first.float(), case.reference)
-            del ours
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            row[f"{mode}_us"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        _free()
+        _time_ours(case, qs, caches, mode, best, row)
     results.add("b", row)
 
 
