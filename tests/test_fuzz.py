@@ -243,7 +243,8 @@ def test_fuzz_gpu_backend(backend_name):
 
     @settings(max_examples=GPU_EXAMPLES, **CI)
     @given(call=calls(fmts=("bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"), q_dtypes=(torch.bfloat16, torch.float16),
-                      dims=(512, 64), heads=(1, 128), batch=(1, 8), q_per_seq=(1, 4), max_len=1500))
+                      dims=(512, 64), heads=(1, 128), batch=(1, 8), q_per_seq=(1, 4), max_len=1500,
+                      pages=(1, 16, 32, 64, 64, 64)))  # 64 three times: the page size every backend takes
     def check(call):
         x = call.inputs(device="cuda")
         if backend.supports(check_decode_args(*x.args()), device_capability(x.q_nope.device)) is not None:
