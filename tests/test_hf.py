@@ -260,12 +260,14 @@ def test_own_compiled_decode_loop_matches_hf_eager():
     model = make_model("v2_yarn_no_qlora", first_k_dense_replace=2)  # dense: MoE under compile is covered above
     ids, mask = left_padded_prompts(seed=9)
     want = hf_generate(model, ids, mask, 12)
-    cache = use_mla(model, batch=4)
+    cache = use_mla(model, batch=4, page_size=16)  # a page size no other compiled test uses: a new decision
     step = torch.compile(hf.decode_one_token, fullgraph=True)
-    got = hf.generate(model, ids, mask, max_new_tokens=12, cache=cache, decode_step=step)
-    assert torch.equal(got, want)
     before = set(mla_inductor.lowering.decisions())
-    assert any(d.backend == "reference" and d.problem.device_type == "cpu" for d in before)
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would skip the pass
+        got = hf.generate(model, ids, mask, max_new_tokens=12, cache=cache, decode_step=step)
+    assert torch.equal(got, want)
+    new = [d for d in mla_inductor.lowering.decisions() if d not in before]
+    assert any(d.backend == "reference" and d.problem.device_type == "cpu" for d in new), new
 
 
 def test_compiled_step_reads_kv_b_proj_only_as_w_uk_and_w_uv():
