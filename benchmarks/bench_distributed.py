@@ -205,6 +205,16 @@ class Problem:
         return caches[0].numel() * caches[0].element_size()
 
 
+def problems(rep: Report, setup: Setup, batches, contexts):
+    """The Problem of each (B, S), with as many layer caches as ``layers_for`` gives a whole S; says which
+    as it comes. The caller drops each one (``del``) before asking for the next."""
+    for B in batches:
+        for S in contexts:
+            layers = Problem.layers_for(B, S, shards=1)
+            rep.say(f"-- B={B} S={S}: {layers} layer caches")
+            yield Problem(B, S, layers, setup.heads, seed=B + S, device=setup.device)
+
+
 def collective_bytes(B: int, H: int, dcp: int, tp_heads: int) -> dict:
     """Bytes each rank sends (= receives) per layer in DCP=dcp with ``tp_heads`` query heads per rank, bf16 out."""
     T, h, share = B, tp_heads, (dcp - 1)
@@ -270,66 +280,63 @@ def part_b(rep: Report, setup: Setup, batches, contexts, mode: str, link_gbps: f
     rep.say(f"== (b) one GPU: rank 0's local step of DCP=2 (S/2 tokens, {H} heads) + merge vs the whole S "
             f"(bf16, page {PAGE})")
     rows = []
-    for B in batches:
-        for S in contexts:
-            layers = Problem.layers_for(B, S, shards=1)
-            rep.say(f"-- B={B} S={S}: {layers} layer caches")
-            p = Problem(B, S, layers, H, seed=B + S, device=setup.device)
-            shards = [p.shard(0), p.shard(1)]
-            layouts = [DCPLayout(2, 0), DCPLayout(2, 1)]
+    for p in problems(rep, setup, batches, contexts):
+        B, S, layers = p.B, p.S, p.layers
+        shards = [p.shard(0), p.shard(1)]
+        layouts = [DCPLayout(2, 0), DCPLayout(2, 1)]
 
-            def whole(i):
-                return torch.ops.mla.paged_decode_with_lse(p.q[i, ..., :L], p.q[i, ..., L:], p.whole[i], p.table,
-                                                           p.seq_lens, p.scale, p.kv_scale)
+        def whole(i):
+            return torch.ops.mla.paged_decode_with_lse(p.q[i, ..., :L], p.q[i, ..., L:], p.whole[i], p.table,
+                                                       p.seq_lens, p.scale, p.kv_scale)
 
-            def local(i, rank=0):
-                return local_decode_with_lse(p.q[i, ..., :L], p.q[i, ..., L:], shards[rank][i], p.dcp_table,
-                                             p.seq_lens, p.scale, p.kv_scale, layouts[rank])
+        def local(i, rank=0):
+            return local_decode_with_lse(p.q[i, ..., :L], p.q[i, ..., L:], shards[rank][i], p.dcp_table,
+                                         p.seq_lens, p.scale, p.kv_scale, layouts[rank])
 
-            other = [local(i, rank=1) for i in range(layers)]  # what rank 1 would send: fixed inputs of the merge
-            for t in (*p.whole, *shards[0], *shards[1], p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q,
-                      *[x for pair in other for x in pair]):
-                torch._dynamo.mark_static_address(t)
+        other = [local(i, rank=1) for i in range(layers)]  # what rank 1 would send: fixed inputs of the merge
+        for t in (*p.whole, *shards[0], *shards[1], p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q,
+                  *[x for pair in other for x in pair]):
+            torch._dynamo.mark_static_address(t)
 
-            def local_and_merge(i):
-                out, lse = local(i)
-                return torch.ops.mla.merge_attn_states(out, lse, *other[i])
+        def local_and_merge(i):
+            out, lse = local(i)
+            return torch.ops.mla.merge_attn_states(out, lse, *other[i])
 
-            want, got = whole(0), local_and_merge(0)
-            err_out, err_lse = rel_err(got[0], want[0]), rel_err(got[1], want[1])
-            chosen_whole = backend_for_call(p.q[0, ..., :L], p.q[0, ..., L:], p.whole[0], p.table, p.seq_lens,
-                                            p.scale, p.kv_scale).backend
-            chosen_local = backend_for_call(p.q[0, ..., :L], p.q[0, ..., L:], shards[0][0], p.dcp_table,
-                                            layouts[0].local_lengths(p.seq_lens), p.scale, p.kv_scale).backend
-            times, how = {}, {}
-            for name, call in (("whole S", whole), ("local S/2 + merge", local_and_merge), ("local S/2", local)):
-                step, how[name] = layers_step(call, layers, "eager" if setup.smoke else mode)
-                times[name] = setup.bench_ms(step) / layers
-                rep.say(f"   {name:<18} {times[name] * 1e3:8.1f} us per layer  [{how[name]}]")
-            outs = torch.randn(2, B, H, L, device=setup.device).bfloat16()
-            lses = torch.randn(2, B, H, device=setup.device)
-            merge_ms = setup.bench_ms(lambda: torch.ops.mla.merge_attn_states(outs[0], lses[0], outs[1], lses[1]))
-            coll = collective_bytes(B, H, dcp=2, tp_heads=H // 2)
-            est = {k: v["total"] / (link_gbps * 1e9) * 1e6 for k, v in coll.items()}
-            gain = times["whole S"] / times["local S/2 + merge"]
-            rep.say(f"   merge alone (own launch) {merge_ms * 1e3:.1f} us; backend whole: {chosen_whole}, local: "
-                    f"{chosen_local}; merged vs whole: out err {err_out:.1e}, lse err {err_lse:.1e}")
-            rep.say(f"   whole / (local + merge) = {gain:.2f}x before communication; KV per GPU "
-                    f"{p.kv_bytes(p.whole) / 1e6:.1f} -> {p.kv_bytes(shards[0]) / 1e6:.1f} MB per layer")
-            ag, a2a = coll["ag_rs"], coll["a2a"]
-            rep.say(f"   collectives per layer, DCP=2 in TP=2 ({H // 2} heads per rank), bytes each rank sends: "
-                    f"ag_rs {ag['total'] / 1e3:.1f} kB (q {ag['all_gather_q'] / 1e3:.1f}, lse "
-                    f"{ag['all_gather_lse'] / 1e3:.1f}, out {ag['reduce_scatter_out'] / 1e3:.1f}) = {est['ag_rs']:.2f} us "
-                    f"at {link_gbps:.0f} GB/s; a2a {a2a['total'] / 1e3:.1f} kB = {est['a2a']:.2f} us "
-                    f"(+ the latency of 3 resp. 2 collective calls)")
-            rows.append(dict(B=B, S=S, H=H, layers=layers, us_whole=times["whole S"] * 1e3,
-                             us_local_plus_merge=times["local S/2 + merge"] * 1e3, us_local=times["local S/2"] * 1e3,
-                             us_merge_alone=merge_ms * 1e3, gain_before_communication=gain, timing=how,
-                             backend_whole=chosen_whole, backend_local=chosen_local, err_out=err_out,
-                             err_lse=err_lse, collective_bytes_per_rank=coll, collective_us_at_link=est,
-                             kv_bytes_whole=p.kv_bytes(p.whole), kv_bytes_shard=p.kv_bytes(shards[0])))
-            del p, shards, other, outs, lses
-            setup.free()
+        want, got = whole(0), local_and_merge(0)
+        err_out, err_lse = rel_err(got[0], want[0]), rel_err(got[1], want[1])
+        chosen_whole = backend_for_call(p.q[0, ..., :L], p.q[0, ..., L:], p.whole[0], p.table, p.seq_lens,
+                                        p.scale, p.kv_scale).backend
+        chosen_local = backend_for_call(p.q[0, ..., :L], p.q[0, ..., L:], shards[0][0], p.dcp_table,
+                                        layouts[0].local_lengths(p.seq_lens), p.scale, p.kv_scale).backend
+        times, how = {}, {}
+        for name, call in (("whole S", whole), ("local S/2 + merge", local_and_merge), ("local S/2", local)):
+            step, how[name] = layers_step(call, layers, "eager" if setup.smoke else mode)
+            times[name] = setup.bench_ms(step) / layers
+            rep.say(f"   {name:<18} {times[name] * 1e3:8.1f} us per layer  [{how[name]}]")
+        outs = torch.randn(2, B, H, L, device=setup.device).bfloat16()
+        lses = torch.randn(2, B, H, device=setup.device)
+        merge_ms = setup.bench_ms(lambda: torch.ops.mla.merge_attn_states(outs[0], lses[0], outs[1], lses[1]))
+        coll = collective_bytes(B, H, dcp=2, tp_heads=H // 2)
+        est = {k: v["total"] / (link_gbps * 1e9) * 1e6 for k, v in coll.items()}
+        gain = times["whole S"] / times["local S/2 + merge"]
+        rep.say(f"   merge alone (own launch) {merge_ms * 1e3:.1f} us; backend whole: {chosen_whole}, local: "
+                f"{chosen_local}; merged vs whole: out err {err_out:.1e}, lse err {err_lse:.1e}")
+        rep.say(f"   whole / (local + merge) = {gain:.2f}x before communication; KV per GPU "
+                f"{p.kv_bytes(p.whole) / 1e6:.1f} -> {p.kv_bytes(shards[0]) / 1e6:.1f} MB per layer")
+        ag, a2a = coll["ag_rs"], coll["a2a"]
+        rep.say(f"   collectives per layer, DCP=2 in TP=2 ({H // 2} heads per rank), bytes each rank sends: "
+                f"ag_rs {ag['total'] / 1e3:.1f} kB (q {ag['all_gather_q'] / 1e3:.1f}, lse "
+                f"{ag['all_gather_lse'] / 1e3:.1f}, out {ag['reduce_scatter_out'] / 1e3:.1f}) = {est['ag_rs']:.2f} us "
+                f"at {link_gbps:.0f} GB/s; a2a {a2a['total'] / 1e3:.1f} kB = {est['a2a']:.2f} us "
+                f"(+ the latency of 3 resp. 2 collective calls)")
+        rows.append(dict(B=B, S=S, H=H, layers=layers, us_whole=times["whole S"] * 1e3,
+                         us_local_plus_merge=times["local S/2 + merge"] * 1e3, us_local=times["local S/2"] * 1e3,
+                         us_merge_alone=merge_ms * 1e3, gain_before_communication=gain, timing=how,
+                         backend_whole=chosen_whole, backend_local=chosen_local, err_out=err_out,
+                         err_lse=err_lse, collective_bytes_per_rank=coll, collective_us_at_link=est,
+                         kv_bytes_whole=p.kv_bytes(p.whole), kv_bytes_shard=p.kv_bytes(shards[0])))
+        del p, shards, other, outs, lses
+        setup.free()
     rep.results["local_step"] = dict(link_gbps=link_gbps, rows=rows)
 
 
@@ -396,80 +403,77 @@ def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters
     rep.say(f"== (c) {world} ranks ({dist.get_backend()}): DCP=2 vs DCP=1 per layer, collectives included "
             f"(bf16, page {PAGE}, H={H})")
     rows = []
-    for B in batches:
-        for S in contexts:
-            layers = Problem.layers_for(B, S, shards=1)
-            p = Problem(B, S, layers, H, seed=B + S, device=setup.device)  # the same values on both ranks
-            shard = p.shard(rank)
-            for t in (*p.whole, *shard, p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q):
-                torch._dynamo.mark_static_address(t)
-            q_mine = p.q[:, :, rank * h:(rank + 1) * h].contiguous()
-            torch._dynamo.mark_static_address(q_mine)
-            rep.say(f"-- B={B} S={S}: {layers} layer caches")
+    for p in problems(rep, setup, batches, contexts):  # the same values on both ranks (seeded by B and S)
+        B, S, layers = p.B, p.S, p.layers
+        shard = p.shard(rank)
+        for t in (*p.whole, *shard, p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q):
+            torch._dynamo.mark_static_address(t)
+        q_mine = p.q[:, :, rank * h:(rank + 1) * h].contiguous()
+        torch._dynamo.mark_static_address(q_mine)
 
-            def one_gpu():
-                return [torch.ops.mla.paged_decode(p.q[i, ..., :L], p.q[i, ..., L:], p.whole[i], p.table, p.seq_lens,
-                                                   p.scale, p.kv_scale) for i in range(layers)]
+        def one_gpu():
+            return [torch.ops.mla.paged_decode(p.q[i, ..., :L], p.q[i, ..., L:], p.whole[i], p.table, p.seq_lens,
+                                               p.scale, p.kv_scale) for i in range(layers)]
 
-            def tp_only():
-                return [torch.ops.mla.paged_decode(q_mine[i, ..., :L], q_mine[i, ..., L:], p.whole[i], p.table,
-                                                   p.seq_lens, p.scale, p.kv_scale) for i in range(layers)]
+        def tp_only():
+            return [torch.ops.mla.paged_decode(q_mine[i, ..., :L], q_mine[i, ..., L:], p.whole[i], p.table,
+                                               p.seq_lens, p.scale, p.kv_scale) for i in range(layers)]
 
-            def dcp_step(dcp):
-                return lambda: [dcp_decode(q_mine[i, ..., :L], q_mine[i, ..., L:], shard[i], p.dcp_table, p.seq_lens,
-                                           p.scale, p.kv_scale, dcp) for i in range(layers)]
+        def dcp_step(dcp):
+            return lambda: [dcp_decode(q_mine[i, ..., :L], q_mine[i, ..., L:], shard[i], p.dcp_table, p.seq_lens,
+                                       p.scale, p.kv_scale, dcp) for i in range(layers)]
 
-            names = {"one": f"1 GPU ({H} heads, whole S)", "tp": f"TP2 DCP1 ({h} heads, whole S)"}
-            steps = {names["one"]: one_gpu, names["tp"]: tp_only}
-            dcps = {x: DCPGroup.from_group(exchange=x) for x in exchanges}
-            for x, dcp in dcps.items():
-                steps[f"TP2 DCP2 {x}"] = dcp_step(dcp)
-            want = tp_only()[0]
-            row = dict(B=B, S=S, H=H, layers=layers, us={}, err={},
-                       kv_bytes_per_gpu={"DCP1": p.kv_bytes(p.whole), "DCP2": p.kv_bytes(shard)})
-            for x in exchanges:
-                row["err"][x] = rel_err(steps[f"TP2 DCP2 {x}"]()[0], want)
-            for name, step in steps.items():
-                row["us"][name] = timed_on_all_ranks(setup, step, iters) / layers * 1e3
-                rep.say(f"   {name:<30} {row['us'][name]:8.1f} us per layer (eager)")
-            # The collectives alone, on this shape's tensors.
-            group = next(iter(dcps.values())).group
-            q_cat = torch.cat([q_mine[0, ..., :L], q_mine[0, ..., L:]], -1)
-            lse = torch.randn(B, H, device=setup.device)
-            out_blocks = torch.randn(world * B, h, L, device=setup.device).bfloat16()
-            packed = torch.randn(world * B, h, L + 2, device=setup.device).bfloat16()
-            collectives = {"ag_rs": lambda: (all_gather(q_cat, 1, group), all_gather(lse, 0, group),
-                                             reduce_scatter_sum(out_blocks, group)),
-                           "a2a": lambda: (all_gather(q_cat, 1, group), all_to_all(packed, group))}
-            paper = collective_bytes(B, H, dcp=world, tp_heads=h)
-            row["collectives_us"], row["collectives_paper_us"] = {}, {}
-            for x in exchanges:
-                row["collectives_us"][x] = timed_on_all_ranks(setup, collectives[x], iters) * 1e3
-                row["collectives_paper_us"][x] = paper[x]["total"] / (link_gbps * 1e9) * 1e6
-                rep.say(f"   collectives alone, {x:<5} {row['collectives_us'][x]:8.1f} us per layer measured, "
-                        f"{row['collectives_paper_us'][x]:.2f} us on paper ({paper[x]['total'] / 1e3:.1f} kB per rank "
-                        f"at {link_gbps:.0f} GB/s, latency not counted)")
-            base, tp = row["us"][names["one"]], row["us"][names["tp"]]
-            for x in exchanges:
-                dcp_us = row["us"][f"TP2 DCP2 {x}"]
-                rep.say(f"   DCP=2 {x}: {base / dcp_us:.2f}x faster than 1 GPU, {tp / dcp_us:.2f}x than TP2 DCP1; "
-                        f"err vs TP2 DCP1 {row['err'][x]:.1e}")
-            rep.say(f"   KV bytes per GPU per layer: DCP1 {row['kv_bytes_per_gpu']['DCP1'] / 1e6:.1f} MB, "
-                    f"DCP2 {row['kv_bytes_per_gpu']['DCP2'] / 1e6:.1f} MB")
-            row["compiled"] = {}
-            for x in exchanges:
-                compiled, how = compiled_on_all_ranks(steps[f"TP2 DCP2 {x}"],
-                                                      "default" if setup.smoke else "reduce-overhead")
-                entry = {"status": how}
-                if compiled is not None:
-                    entry["err_vs_tp2_dcp1"] = rel_err(compiled()[0], want)
-                    entry["us"] = timed_on_all_ranks(setup, compiled, iters) / layers * 1e3
-                    how += f": {entry['us']:.1f} us per layer, err vs TP2 DCP1 {entry['err_vs_tp2_dcp1']:.1e}"
-                row["compiled"][x] = entry
-                rep.say(f"   compiled DCP step, {x}: {how}")
-            rows.append(row)
-            del p, shard, steps, q_mine
-            setup.free()
+        names = {"one": f"1 GPU ({H} heads, whole S)", "tp": f"TP2 DCP1 ({h} heads, whole S)"}
+        steps = {names["one"]: one_gpu, names["tp"]: tp_only}
+        dcps = {x: DCPGroup.from_group(exchange=x) for x in exchanges}
+        for x, dcp in dcps.items():
+            steps[f"TP2 DCP2 {x}"] = dcp_step(dcp)
+        want = tp_only()[0]
+        row = dict(B=B, S=S, H=H, layers=layers, us={}, err={},
+                   kv_bytes_per_gpu={"DCP1": p.kv_bytes(p.whole), "DCP2": p.kv_bytes(shard)})
+        for x in exchanges:
+            row["err"][x] = rel_err(steps[f"TP2 DCP2 {x}"]()[0], want)
+        for name, step in steps.items():
+            row["us"][name] = timed_on_all_ranks(setup, step, iters) / layers * 1e3
+            rep.say(f"   {name:<30} {row['us'][name]:8.1f} us per layer (eager)")
+        # The collectives alone, on this shape's tensors.
+        group = next(iter(dcps.values())).group
+        q_cat = torch.cat([q_mine[0, ..., :L], q_mine[0, ..., L:]], -1)
+        lse = torch.randn(B, H, device=setup.device)
+        out_blocks = torch.randn(world * B, h, L, device=setup.device).bfloat16()
+        packed = torch.randn(world * B, h, L + 2, device=setup.device).bfloat16()
+        collectives = {"ag_rs": lambda: (all_gather(q_cat, 1, group), all_gather(lse, 0, group),
+                                         reduce_scatter_sum(out_blocks, group)),
+                       "a2a": lambda: (all_gather(q_cat, 1, group), all_to_all(packed, group))}
+        paper = collective_bytes(B, H, dcp=world, tp_heads=h)
+        row["collectives_us"], row["collectives_paper_us"] = {}, {}
+        for x in exchanges:
+            row["collectives_us"][x] = timed_on_all_ranks(setup, collectives[x], iters) * 1e3
+            row["collectives_paper_us"][x] = paper[x]["total"] / (link_gbps * 1e9) * 1e6
+            rep.say(f"   collectives alone, {x:<5} {row['collectives_us'][x]:8.1f} us per layer measured, "
+                    f"{row['collectives_paper_us'][x]:.2f} us on paper ({paper[x]['total'] / 1e3:.1f} kB per rank "
+                    f"at {link_gbps:.0f} GB/s, latency not counted)")
+        base, tp = row["us"][names["one"]], row["us"][names["tp"]]
+        for x in exchanges:
+            dcp_us = row["us"][f"TP2 DCP2 {x}"]
+            rep.say(f"   DCP=2 {x}: {base / dcp_us:.2f}x faster than 1 GPU, {tp / dcp_us:.2f}x than TP2 DCP1; "
+                    f"err vs TP2 DCP1 {row['err'][x]:.1e}")
+        rep.say(f"   KV bytes per GPU per layer: DCP1 {row['kv_bytes_per_gpu']['DCP1'] / 1e6:.1f} MB, "
+                f"DCP2 {row['kv_bytes_per_gpu']['DCP2'] / 1e6:.1f} MB")
+        row["compiled"] = {}
+        for x in exchanges:
+            compiled, how = compiled_on_all_ranks(steps[f"TP2 DCP2 {x}"],
+                                                  "default" if setup.smoke else "reduce-overhead")
+            entry = {"status": how}
+            if compiled is not None:
+                entry["err_vs_tp2_dcp1"] = rel_err(compiled()[0], want)
+                entry["us"] = timed_on_all_ranks(setup, compiled, iters) / layers * 1e3
+                how += f": {entry['us']:.1f} us per layer, err vs TP2 DCP1 {entry['err_vs_tp2_dcp1']:.1e}"
+            row["compiled"][x] = entry
+            rep.say(f"   compiled DCP step, {x}: {how}")
+        rows.append(row)
+        del p, shard, steps, q_mine
+        setup.free()
     rep.results["two_gpus"] = dict(world=world, link_gbps=link_gbps, iters=iters, rows=rows)
 
 

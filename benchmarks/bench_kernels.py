@@ -229,32 +229,30 @@ def sweep(out_dir):
             "fp8": [None, D(16, 32, 4, 2, 2, "reload"), D(16, 32, 4, 4, 2, "reload")],
         },
     }
+
+    def timed(c, kind, cfg, tokens):
+        fn, ref, per_tok = _ours(c, kind, cfg)
+        out = fn()
+        torch.cuda.synchronize()
+        err = _err(out, ref)
+        ms = _bench(fn)
+        regs = ""
+        try:  # resource report of the compiled kernel the launch used
+            ck = tk._LAST_COMPILED
+            regs = f" regs={ck.n_regs} spills={ck.n_spills} smem={ck.metadata.shared}"
+        except Exception:  # noqa: BLE001
+            pass
+        return f": {ms*1e3:8.1f} us {tokens*per_tok/ms/1e6:6.0f} GB/s err={err:.1e}{regs}"
+
     lines = []
     for (B, H, S), kinds in plans.items():
         c = pm.make_case(B, H, S)
         c["ref"] = pm.reference(c)
-        tokens = B * S
         for kind, cfgs in kinds.items():
             for cfg in cfgs:
-                try:
-                    fn, ref, per_tok = _ours(c, kind, cfg)
-                    out = fn()
-                    torch.cuda.synchronize()
-                    err = _err(out, ref)
-                    ms = _bench(fn)
-                    regs = ""
-                    try:  # resource report of the compiled kernel the launch used
-                        ck = tk._LAST_COMPILED
-                        regs = f" regs={ck.n_regs} spills={ck.n_spills} smem={ck.metadata.shared}"
-                    except Exception:  # noqa: BLE001
-                        pass
-                    line = (f"sweep B={B} H={H} S={S} {kind:<5} {cfg or 'default'}: {ms*1e3:8.1f} us "
-                            f"{tokens*per_tok/ms/1e6:6.0f} GB/s err={err:.1e}{regs}")
-                except Exception as e:  # noqa: BLE001
-                    line = f"sweep B={B} H={H} {kind} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}"
-                print(line, flush=True)
-                lines.append(line)
-    report.write_results(out_dir, "bench_kernels_sweep", "\n".join(["```", *lines, "```"]), {"log": lines})
+                _log_line(lines, f"sweep B={B} H={H} S={S} {kind:<5} {cfg or 'default'}",
+                          lambda: timed(c, kind, cfg, B * S))
+    _write_log(out_dir, "bench_kernels_sweep", lines)
 
 
 def overhead(out_dir):
@@ -265,31 +263,43 @@ def overhead(out_dir):
     """
     import triton
 
+    def timed(c, kind):
+        fn, ref, per_tok = _ours(c, kind)
+        fn()
+        torch.cuda.synchronize()
+        eager = _bench(fn)
+        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - t0) / 50
+        torch.cuda.synchronize()
+        return f" eager {eager*1e3:8.1f} us  graph {graph*1e3:8.1f} us  host/call {host*1e6:6.1f} us"
+
     lines = []
     for (B, H, S) in [(1, 128, 4096), (16, 128, 4096), (64, 128, 4096), (1, 16, 4096), (32, 16, 4096),
                       (128, 16, 4096)]:
         c = pm.make_case(B, H, S)
         c["ref"] = pm.reference(c)
         for kind in ("bf16", "fp8", "ds"):
-            try:
-                fn, ref, per_tok = _ours(c, kind)
-                fn()
-                torch.cuda.synchronize()
-                eager = _bench(fn)
-                graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    fn()
-                host = (time.perf_counter() - t0) / 50
-                torch.cuda.synchronize()
-                line = (f"overhead B={B:<4} H={H:<4} S={S} {kind:<5} eager {eager*1e3:8.1f} us  graph {graph*1e3:8.1f} us"
-                        f"  host/call {host*1e6:6.1f} us")
-            except Exception as e:  # noqa: BLE001
-                line = f"overhead B={B} H={H} {kind}: FAILED {type(e).__name__}: {str(e)[:200]}"
-            print(line, flush=True)
-            lines.append(line)
-    report.write_results(out_dir, "bench_kernels_overhead", "\n".join(["```", *lines, "```"]), {"log": lines})
+            _log_line(lines, f"overhead B={B:<4} H={H:<4} S={S} {kind:<5}", lambda: timed(c, kind))
+    _write_log(out_dir, "bench_kernels_overhead", lines)
+
+
+def _log_line(lines: list, label: str, measure) -> None:
+    """Print and keep ``label`` followed by what ``measure()`` returns, or by FAILED and the error: a tuning
+    run goes on past a config that does not compile or run."""
+    try:
+        line = label + measure()
+    except Exception as e:  # noqa: BLE001
+        line = f"{label}: FAILED {type(e).__name__}: {str(e)[:200]}"
+    print(line, flush=True)
+    lines.append(line)
+
+
+def _write_log(out_dir, name: str, lines: list) -> None:
+    report.write_results(out_dir, name, "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
 def main(argv=None):

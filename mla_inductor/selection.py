@@ -147,9 +147,9 @@ def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]]) -
 def user_preference() -> Optional[tuple[str, ...]]:
     """The user's backend priority list: ``prefer_backends(...)`` if active, else ``$MLA_INDUCTOR_BACKEND``
     (comma-separated), else None (use the table)."""
-    stack = getattr(_local, "stack", None)
-    if stack:
-        return stack[-1]
+    innermost = _innermost("preferences")
+    if innermost is not None:
+        return innermost
     env = os.environ.get(BACKEND_ENV)
     if not env:  # the common case, read by every compiled graph's run (lowering/records.py): keep it short
         return None
@@ -163,20 +163,16 @@ def prefer_backends(*names: str) -> Iterator[None]:
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ValueError(f"prefer_backends needs known backend names, got {names}; known: {sorted(known)}")
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(tuple(names))
-    try:
+    with _pushed("preferences", tuple(names)):
         yield
-    finally:
-        stack.pop()
 
 
 def fp8_query_allowed() -> bool:
     """Whether every call may go to a backend computing with q in e4m3: ``allow_fp8_query(...)`` if active,
     else ``$MLA_INDUCTOR_FP8_QUERY`` (1 / 0), else no. A call with a static ``q_scale`` opts in by itself."""
-    stack = getattr(_local, "fp8_query", None)
-    if stack:
-        return stack[-1]
+    innermost = _innermost("fp8_query")
+    if innermost is not None:
+        return innermost
     return os.environ.get(FP8_QUERY_ENV, "0").strip() not in ("", "0")
 
 
@@ -186,12 +182,25 @@ def allow_fp8_query(allowed: bool = True) -> Iterator[None]:
     with one scale per tensor, measured each call (``amax(|q|) / 448``) unless the call has a static
     ``q_scale``. Faster on SM90 with an fp8 cache (FlashMLA's dense FP8 kernel), at the cost of the error
     docs/backends.md reports per backend; ``allow_fp8_query(False)`` turns it off inside the block."""
-    stack = _local.__dict__.setdefault("fp8_query", [])
-    stack.append(bool(allowed))
+    with _pushed("fp8_query", bool(allowed)):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(name: str, value) -> Iterator[None]:
+    """``value`` on top of this thread's stack ``name`` inside the block (blocks nest; the innermost wins)."""
+    stack = _local.__dict__.setdefault(name, [])
+    stack.append(value)
     try:
         yield
     finally:
         stack.pop()
+
+
+def _innermost(name: str):
+    """The top of this thread's stack ``name`` (the innermost block's value), or None outside every block."""
+    stack = getattr(_local, name, None)
+    return stack[-1] if stack else None
 
 
 def _with_user_choices(problem: DecodeProblem) -> DecodeProblem:

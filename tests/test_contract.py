@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mla_inductor
-from mla_inductor.testing import make_decode_inputs
+from small_problems import small_inputs
 
 VARIANTS = {
     "dense_bf16": dict(seq_lens=[5, 17], fmt="bf16"),
@@ -18,14 +18,6 @@ VARIANTS = {
     "sparse": dict(seq_lens=[12, 30], topk=6),
     "mtp_q2": dict(seq_lens=[6, 11], q_per_seq=2),
 }
-
-
-def small_inputs(**kw):
-    kw.setdefault("kv_lora_rank", 32)
-    kw.setdefault("rope_dim", 16)
-    kw.setdefault("page_size", 4)
-    kw.setdefault("num_heads", 3)
-    return make_decode_inputs(**kw)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -22,6 +22,7 @@ import mla_inductor.contract
 from mla_inductor.backends._common import quantize_query_fp8, quantize_query_reference
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import make_decode_inputs, relative_error
+from small_problems import small_inputs
 from triton_support import needs_triton
 
 # Relative L2 error (out, lse) of the reference on an e4m3 query (one scale per tensor) against the
@@ -30,14 +31,6 @@ from triton_support import needs_triton
 # random q 4.6e-3 .. 4.8e-3 (lse 8e-4 .. 1.1e-3); rope part x30 (logits dominated by a large rope)
 # 4.8e-2 .. 5.0e-2 (lse 8.8e-3 .. 9.5e-3). Bounds ~2.5x above.
 FP8_QUERY_TOL = {1.0: (1.5e-2, 3e-3), 30.0: (1.2e-1, 2.5e-2)}
-
-
-def small_inputs(**kw):
-    kw.setdefault("kv_lora_rank", 32)
-    kw.setdefault("rope_dim", 16)
-    kw.setdefault("page_size", 4)
-    kw.setdefault("num_heads", 3)
-    return make_decode_inputs(**kw)
 
 
 def _dequantized(q: torch.Tensor, q_scale=None) -> torch.Tensor:

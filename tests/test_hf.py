@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers", reason="tests/test_hf.py need
 import mla_inductor.lowering  # noqa: E402,F401  (the ops and the pass the compiled tests go through)
 from mla_inductor import hf  # noqa: E402
 from mla_inductor.testing import fill_paged_mla_cache, random_deepseek_model, random_mla_model  # noqa: E402
+from source_imports import imported_modules  # noqa: E402
 
 if hf._version_tuple(transformers.__version__) < hf.MIN_TRANSFORMERS:
     pytest.skip(f"tests/test_hf.py needs transformers>=5.23, found {transformers.__version__}", allow_module_level=True)
@@ -460,18 +461,6 @@ def test_deprecated_names_still_work():
     assert torch.equal(hf.generate(model, ids, mask, max_new_tokens=8, cache=cache), want)
 
 
-def _imported_modules(path: Path) -> set:
-    import ast
-
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
 def test_transformers_imported_lazily_and_only_by_the_hf_modules():
     code = "import sys, mla_inductor, mla_inductor.lowering, mla_inductor.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -480,7 +469,7 @@ def test_transformers_imported_lazily_and_only_by_the_hf_modules():
     allowed = {"hf.py", "_hf.py", "_hf_distributed.py", "testing.py",
                "distributed.py"}  # distributed.py: TP sharding of HF attention modules, imported in the function
     importers = [p.name for p in runtime if p.name not in allowed
-                 and any(n == "transformers" or n.startswith("transformers.") for n in _imported_modules(p))]
+                 and any(n == "transformers" or n.startswith("transformers.") for n in imported_modules(p))]
     assert not importers, f"only {sorted(allowed)} may import transformers, found {importers}"
     # No runtime module imports the test helpers at import time (hf's deprecated alias does, when called).
     top_level = [p.name for p in runtime if p.name != "testing.py" and any(

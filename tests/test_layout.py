@@ -15,6 +15,7 @@ import torch
 import mla_inductor
 from mla_inductor import backends
 from mla_inductor.testing import make_decode_inputs
+from source_imports import imported_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "mla_inductor"
@@ -185,23 +186,12 @@ def test_editing_a_benchmark_leaves_the_cache_key_alone(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- arrows only go down
 
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return names
-
-
 def test_runtime_never_imports_the_pass_benchmarks_or_test_helpers():
     """The runtime package imports down only: never lowering (but for the one lazy install hook in
     __init__.py), benchmarks, the test helpers, or hf's random-model factory."""
     for path in RUNTIME.rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
-        for name in _imports(path):
+        for name in imported_modules(path):
             if rel == "mla_inductor/__init__.py" and name in ("mla_inductor.lowering", "mla_inductor.lowering.install"):
                 continue
             if rel == "mla_inductor/testing.py":

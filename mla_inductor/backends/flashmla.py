@@ -163,6 +163,16 @@ class Provider:
         """FlashMLA's call: q [B, Q, H, 576] (e4m3 for dense_fp8), kcache [P, 64, 1, D] -> (out [B, Q, H, 512],
         lse [B, H, Q], md, splits). ``md``/``splits`` None: the metadata is made here (on the stream) and
         returned, so a caller can hand it to later calls over the same seq_lens."""
+        if md is None:
+            md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
+        out, lse = self.run_kernel(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+                                   q_descale, k_descale)
+        return out, lse, md, splits
+
+    def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+                   q_descale, k_descale) -> tuple[Tensor, Tensor]:
+        """The attention kernel on the schedule ``md``/``splits`` -> (out, lse): what ``attend`` calls once
+        the schedule is made (a provider that cannot make it without attention overrides ``attend``)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -192,10 +202,8 @@ class SglFlashMLA(Provider):
                                                                use_legacy=True)
         return md, splits
 
-    def attend(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
-               q_descale=None, k_descale=None):
-        if md is None:
-            md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
+    def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+                   q_descale, k_descale):
         meta = self.sched_meta()
         meta.tile_scheduler_metadata, meta.num_splits = md, splits
         kwargs = dict(softmax_scale=softmax_scale, causal=causal, use_legacy=True)
@@ -204,9 +212,8 @@ class SglFlashMLA(Provider):
             block_table = seq_lens = None
         elif mode == "dense_fp8":
             kwargs.update(is_fp8_kvcache=True, descale_q=q_descale, descale_k=k_descale)
-        out, lse = self.module.flash_mla_with_kvcache(q, kcache, block_table, seq_lens, HEAD_DIM_V, meta, None,
-                                                      **kwargs)[:2]
-        return out, lse, md, splits
+        return self.module.flash_mla_with_kvcache(q, kcache, block_table, seq_lens, HEAD_DIM_V, meta, None,
+                                                  **kwargs)[:2]
 
 
 class SchedMetaFlashMLA(Provider):
@@ -259,16 +266,13 @@ class LegacyFlashMLA(Provider):
             md, splits = self.module.get_mla_metadata(seq_lens, Q * H, 1)
         return md, splits
 
-    def attend(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
-               q_descale=None, k_descale=None):
-        if md is None:
-            md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
+    def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+                   q_descale, k_descale):
         kwargs = dict(softmax_scale=softmax_scale, causal=causal)
         if mode in SPARSE_KERNEL_MODES:
             kwargs.update(is_fp8_kvcache=True, indices=indices)
-        out, lse = self.module.flash_mla_with_kvcache(q, kcache, block_table, seq_lens, HEAD_DIM_V, md, splits,
-                                                      **kwargs)[:2]
-        return out, lse, md, splits
+        return self.module.flash_mla_with_kvcache(q, kcache, block_table, seq_lens, HEAD_DIM_V, md, splits,
+                                                  **kwargs)[:2]
 
 
 class FP8ExtensionFlashMLA(Provider):
@@ -285,13 +289,10 @@ class FP8ExtensionFlashMLA(Provider):
         md, splits = self.ops.get_mla_decoding_metadata_dense_fp8(seq_lens, Q * H, 1)
         return md, splits
 
-    def attend(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
-               q_descale=None, k_descale=None):
-        if md is None:
-            md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
-        out, lse = self.ops.fwd_kvcache_mla_fp8(q, kcache, HEAD_DIM_V, seq_lens, block_table, softmax_scale, causal,
-                                                md, splits, q_descale, k_descale)[:2]
-        return out, lse, md, splits
+    def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+                   q_descale, k_descale):
+        return self.ops.fwd_kvcache_mla_fp8(q, kcache, HEAD_DIM_V, seq_lens, block_table, softmax_scale, causal,
+                                            md, splits, q_descale, k_descale)[:2]
 
 
 @dataclass(frozen=True)
