@@ -33,7 +33,8 @@ from mla_inductor.contract import (
     nothing_attended,
     wants_value_checks,
 )
-from mla_inductor.selection import backend_for_append, backend_for_eager
+from mla_inductor.backends import registry_generation
+from mla_inductor.selection import backend_for_append, backend_for_eager, fp8_query_allowed, user_preference
 
 Tensor = torch.Tensor
 
@@ -53,48 +54,78 @@ def _define(name: str, schema: str, impl, fake):
 
 # ----------------------------------------------------------------------------- decode
 
-# Eager calls validate each distinct argument signature once (shapes, strides, dtypes, devices: everything
-# the checks read), then find its DecodeProblem here; the checks that read data run on every call.
-_VALIDATED: dict[tuple, DecodeProblem] = {}
+# Eager calls decide once per distinct call signature (shapes, strides, dtypes, devices, softmax_scale: everything
+# the argument checks read) and selection state (user preference, FP8-query opt-in, registered backends) what
+# can be decided once: the checks that need no data, the DecodeProblem, whether the call attends anything, and
+# the backend's bound run function. A call then costs a key, a dict lookup and the run; the checks that read
+# data (CPU always, GPUs in debug mode) still run on every call.
+_EAGER_CALLS: dict[tuple, "_EagerCall"] = {}
 _MAX_SIGNATURES = 4096
 
 
-def _meta(a):
-    # softmax_scale's value is checked (finite), so it is part of the key; a NaN never equals a stored key.
-    if isinstance(a, torch.Tensor):
-        return (a.shape, a.stride(), a.dtype, a.device)
-    return (type(a), a) if isinstance(a, (int, float)) else type(a)
+class _EagerCall:
+    __slots__ = ("problem", "attends_nothing", "run")
+
+    def __init__(self, problem: DecodeProblem, attends_nothing: bool, run):
+        self.problem = problem
+        self.attends_nothing = attends_nothing
+        self.run = run  # the contract's nine arguments -> (out, lse), or out alone for mla.paged_decode
 
 
-def _validated(op: str, args: tuple) -> DecodeProblem:
-    """The call's DecodeProblem; the shape/dtype/device checks run once per argument signature."""
-    key = (op, *map(_meta, args))
-    problem = _VALIDATED.get(key)
-    if problem is None:
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _signature(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
+    """What the argument checks read, as a key. The dispatcher has checked the schema's types (tensors, a
+    float), so the attributes exist. softmax_scale's value is checked (finite): it is part of the key, with
+    its type (an int is valid too); a NaN never equals a stored key."""
+    return (q_nope.shape, q_nope.stride(), q_nope.dtype, q_nope.device, q_pe.shape, q_pe.stride(), q_pe.dtype,
+            q_pe.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, block_table.shape,
+            block_table.stride(), block_table.dtype, block_table.device, seq_lens.shape, seq_lens.stride(),
+            seq_lens.dtype, seq_lens.device, type(softmax_scale), softmax_scale, _meta(kv_scale),
+            _meta(sparse_indices), _meta(q_scale))
+
+
+def _eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
+    """What this call's signature decided, decided now if it is new (bad arguments raise here, every call)."""
+    try:
+        signature = _signature(*args)
+    except AttributeError:  # not through the dispatcher: the checks name the argument of the wrong type
+        check_decode_args(*args, op=op)
+        raise
+    key = (op, with_lse, user_preference(), fp8_query_allowed(), registry_generation(), signature)
+    call = _EAGER_CALLS.get(key)
+    if call is None:
         problem = check_decode_args(*args, op=op)
-        if len(_VALIDATED) >= _MAX_SIGNATURES:
-            _VALIDATED.clear()
-        _VALIDATED[key] = problem
-    return problem
+        q_nope, kv_cache, block_table, sparse_indices = args[0], args[2], args[3], args[7]
+        nothing = attends_nothing(q_nope, kv_cache, block_table, sparse_indices)
+        run = None if nothing else backend_for_eager(problem, q_nope.device).eager_decode(problem, args, with_lse)
+        call = _EagerCall(problem, nothing, run)
+        if len(_EAGER_CALLS) >= _MAX_SIGNATURES:
+            _EAGER_CALLS.clear()
+        _EAGER_CALLS[key] = call
+    return call
 
 
-def _decode(op: str, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-            sparse_indices=None, q_scale=None) -> tuple[Tensor, Tensor]:
+def _decode(op: str, with_lse: bool, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+            sparse_indices=None, q_scale=None):
     args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale)
-    problem = _validated(op, args)
+    call = _eager_call(op, args, with_lse)
     if wants_value_checks(q_nope):
         check = assert_decode_values_on_device if checks_on_device(q_nope) else check_decode_values
         check(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op, q_scale=q_scale)
-    if attends_nothing(q_nope, kv_cache, block_table, sparse_indices):
-        return nothing_attended(q_nope)
-    out, lse = backend_for_eager(problem, q_nope.device).decode_with_q_scale(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices, q_scale)
-    return out.contiguous(), lse.contiguous()
+    if call.attends_nothing:
+        out, lse = nothing_attended(q_nope)
+        return (out, lse) if with_lse else out
+    # softmax_scale as a float (an int is valid): the key holds its type, so the bound run may rely on it.
+    return call.run(q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices,
+                    q_scale)
 
 
 def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
     """MLA paged decode returning ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``; see ``contract``."""
-    return _decode("paged_decode_with_lse", *args)
+    return _decode("paged_decode_with_lse", True, *args)
 
 
 def _paged_decode_with_lse_fake(*args):
@@ -109,7 +140,7 @@ paged_decode_with_lse = _define("paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) ->
 
 def _paged_decode(*args) -> Tensor:
     """MLA paged decode: attention output ``[T, H, L]`` in q's dtype; see ``contract``."""
-    return _decode("paged_decode", *args)[0]
+    return _decode("paged_decode", False, *args)
 
 
 def _paged_decode_fake(*args):

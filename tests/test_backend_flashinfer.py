@@ -126,8 +126,42 @@ def _scale(x):
     return float(x.reshape(())) if isinstance(x, torch.Tensor) else float(x)
 
 
+class FakeModule:
+    """The compiled module a FlashInfer wrapper's plan() loads: ``run`` takes FlashInfer 0.6.18's positional
+    arguments (workspaces, plan info, q, caches, page indices, out, lse, mask mode, heads, page size, sm_scale,
+    lse base, fp8 scales) and computes attention as documented. It refuses a plan info other than its
+    wrapper's current one (a call repeated from a stale plan)."""
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+
+    def run(self, float_workspace, int_workspace, plan_info, q_nope, q_pe, ckv_cache, kpe_cache, kv_indices, out, lse,
+            mask_mode, num_heads, page_size, sm_scale, return_lse_base_on_e, ckv_scale, kpe_scale, ckv_scale_arr):
+        w = self.wrapper
+        assert plan_info is w._plan_info and kv_indices is w.bufs["idx"], "a stale or foreign plan"
+        assert num_heads == q_nope.shape[1] and ckv_scale_arr is None and ckv_scale == kpe_scale
+        assert ckv_cache.data_ptr() + LATENT * ckv_cache.element_size() == kpe_cache.data_ptr(), "not views"
+        assert ckv_cache.shape[1] == page_size
+        qo, kv, idx, lens = (w.bufs[k].long() for k in ("qo", "kv", "idx", "lens"))
+        q = torch.cat([q_nope, q_pe], -1).float()
+        for i in range(len(lens)):
+            n = int(lens[i])
+            pages = idx[int(kv[i]): int(kv[i]) + -(-n // page_size)]
+            assert (pages >= 0).all() and (pages < ckv_cache.shape[0]).all(), "reads outside the cache"
+            keys = torch.cat([ckv_cache[pages], kpe_cache[pages]], -1).reshape(-1, q.shape[-1])[:n].float()
+            keys = keys * ckv_scale
+            rows = range(int(qo[i]), int(qo[i + 1]))
+            for j, t in enumerate(rows):
+                visible = n - len(rows) + j + 1 if mask_mode == 1 else n
+                o, s = _attend(q[t], keys[:max(visible, 0)], sm_scale)
+                out[t] = o.to(out.dtype)
+                lse[t] = s if return_lse_base_on_e else s / math.log(2)
+
+
 class FakeWrapper:
-    """BatchMLAPagedAttentionWrapper as documented: CSR pages, right-aligned causal mask, lse base 2 or e."""
+    """BatchMLAPagedAttentionWrapper as documented: CSR pages, right-aligned causal mask, lse base 2 or e; like
+    FlashInfer's, plan() loads a module and keeps a plan info, and run() checks its arguments against the plan
+    and calls the module's run."""
 
     instances = []
 
@@ -137,6 +171,8 @@ class FakeWrapper:
         self.bufs = dict(qo=qo_indptr, kv=kv_indptr, idx=kv_indices, lens=kv_len_arr)
         self.backend = backend
         self.plans = []
+        self.runs = 0  # calls of run() itself (the Python a caller may skip)
+        self._float_workspace = float_workspace_buffer
         FakeWrapper.instances.append(self)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe,
@@ -150,28 +186,20 @@ class FakeWrapper:
         self.cfg = dict(num_heads=num_heads, page_size=page_size, causal=causal, sm_scale=sm_scale,
                         dims=(head_dim_ckv, head_dim_kpe), dtypes=(q_data_type, kv_data_type))
         self.plans.append(self.cfg)
+        self._cached_module = FakeModule(self)
+        self._plan_info = [len(self.plans)]  # a new object per plan, as FlashInfer's
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
             return_lse_base_on_e=False, *, ckv_scale=None, kpe_scale=None):
+        self.runs += 1
         c = self.cfg
         assert (q_nope.dtype, ckv_cache.dtype) == c["dtypes"] and ckv_cache.shape[1] == c["page_size"]
-        assert ckv_cache.data_ptr() + LATENT * ckv_cache.element_size() == kpe_cache.data_ptr(), "not views"
         assert (ckv_scale is None) == (ckv_cache.dtype != torch.float8_e4m3fn)
-        qo, kv, idx, lens = (self.bufs[k].long() for k in ("qo", "kv", "idx", "lens"))
-        q = torch.cat([q_nope, q_pe], -1).float()
-        page = c["page_size"]
-        for i in range(len(lens)):
-            n = int(lens[i])
-            pages = idx[int(kv[i]): int(kv[i]) + -(-n // page)]
-            assert (pages >= 0).all() and (pages < ckv_cache.shape[0]).all(), "reads outside the cache"
-            keys = torch.cat([ckv_cache[pages], kpe_cache[pages]], -1).reshape(-1, q.shape[-1])[:n].float()
-            keys = keys * (ckv_scale or 1.0)
-            rows = range(int(qo[i]), int(qo[i + 1]))
-            for j, t in enumerate(rows):
-                visible = n - len(rows) + j + 1 if c["causal"] else n
-                o, s = _attend(q[t], keys[:max(visible, 0)], c["sm_scale"])
-                out[t] = o.to(out.dtype)
-                lse[t] = s if return_lse_base_on_e else s / math.log(2)
+        assert out is not None and lse is not None and out.shape == q_nope.shape and lse.shape == q_nope.shape[:2]
+        scale = 1.0 if ckv_scale is None else float(ckv_scale)
+        self._cached_module.run(self._float_workspace, None, self._plan_info, q_nope, q_pe, ckv_cache, kpe_cache,
+                                self.bufs["idx"], out, lse, 1 if c["causal"] else 0, q_nope.shape[1],
+                                c["page_size"], c["sm_scale"], return_lse_base_on_e, scale, scale, None)
         return (out, lse) if return_lse else out
 
 
@@ -308,6 +336,35 @@ def test_one_plan_until_the_lengths_or_pages_change(fake_flashinfer):
     x.block_table[0, 1] = x.block_table[1, 0]  # any write counts, even of a page the lengths do not reach
     _check("flashinfer_fa3", x)
     assert len(w.plans) == 3
+
+
+def test_wrapper_run_python_runs_once_per_plan(fake_flashinfer):
+    """wrapper.run() (its checks against the plan) runs for the first call after each plan; the later calls
+    of that plan repeat its module call with their own q, cache and outputs, and match the reference. A new
+    plan is checked again (the module refuses a call repeated with the previous plan's info)."""
+    x = make_decode_inputs([5, 70, 130], num_heads=4, seed=0)
+    for seed in range(3):  # each call its own query and cache, one plan
+        y = make_decode_inputs([5, 70, 130], num_heads=4, seed=seed + 10)
+        x.q_nope, x.q_pe, x.kv_cache = y.q_nope, y.q_pe, y.kv_cache
+        _check("flashinfer_fa3", x)
+    (w,) = FakeWrapper.instances
+    assert len(w.plans) == 1 and w.runs == 1
+    x.seq_lens.copy_(torch.tensor([6, 71, 1], dtype=torch.int32))
+    for _ in range(2):
+        _check("flashinfer_fa3", x)
+    assert len(w.plans) == 2 and w.runs == 2
+
+
+def test_wrapper_run_that_cannot_be_repeated_runs_every_time(fake_flashinfer, monkeypatch):
+    """A FlashInfer whose run() hands the module something other than the caller's q (here a copy): the call
+    cannot be repeated with another q put in place, so every call goes through run()."""
+    original = FakeWrapper.run
+    monkeypatch.setattr(FakeWrapper, "run", lambda self, q_nope, *args, **kw: original(self, q_nope.clone(), *args, **kw))
+    x = make_decode_inputs([5, 70], num_heads=4, seed=0)
+    for _ in range(3):
+        _check("flashinfer_fa3", x)
+    (w,) = FakeWrapper.instances
+    assert len(w.plans) == 1 and w.runs == 3
 
 
 def test_plan_reads_the_registered_host_lengths(fake_flashinfer):

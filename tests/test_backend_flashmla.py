@@ -668,6 +668,29 @@ def test_sgl_dense_uses_legacy_kernels_and_hoisted_metadata(provider, Q):
     assert torch.equal(eager_out, out) and torch.equal(eager_lse, lse)
 
 
+def test_calls_without_a_plan_share_one_until_the_lengths_change(provider):
+    """Eager calls (and compiled calls handed no plan) over the same block_table / seq_lens make FlashMLA's
+    schedule once and reuse it, with the same results; a write to seq_lens makes the next call plan again.
+    mla.paged_decode's eager run (out only) gives the same output."""
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    fm.PLANS.forget()
+    x = make_decode_inputs(SEQ_LENS, num_heads=3)
+    out, lse = BACKEND.decode(*x.args())
+    for _ in range(2):
+        again = BACKEND.decode(*x.args())
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    args9 = (*x.args(), None)
+    out_only = BACKEND.eager_decode(None, args9, with_lse=False)(*args9)
+    assert torch.equal(out_only, out)
+    metas = [c[1][5] for c in _sgl_calls(sgl, "flash_mla_with_kvcache")]
+    assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 1 and len(metas) == 4
+    assert all(m.tile_scheduler_metadata is metas[0].tile_scheduler_metadata for m in metas)
+    x.seq_lens.add_(0)  # a write through torch
+    BACKEND.decode(*x.args())
+    assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 2
+
+
 @pytest.mark.parametrize("static_scale", [False, True], ids=["measured-scale", "static-q_scale"])
 def test_sgl_dense_fp8_quantizes_the_query_with_one_scale(provider, static_scale):
     sgl = RecordingSglModule()

@@ -39,6 +39,12 @@ A backend answers three questions and does one thing:
   run the call eagerly (plan included); returns ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``.
   ``decode_with_q_scale(..., sparse_indices, q_scale)``: the same given the call's static query scale
   (or None); only a backend that quantizes q overrides it, the others compute with q as given.
+- ``eager_decode(problem, args, with_lse)``: optional; the function an eager call runs, bound once per call
+  signature (``args``: an example of the op's nine arguments, ``q_scale`` last; every later call with this
+  function has their shapes, strides, dtypes, devices and softmax_scale). It takes the nine arguments and
+  returns ``(out, lse)`` with the contract's shapes and strides, or ``out`` alone where ``with_lse`` is False
+  (``mla.paged_decode``: a backend may then skip work that only the lse needs). Default: ``decode_with_q_scale``.
+  Whatever a backend would otherwise redo on every call from those facts belongs here.
 - ``loaded_from()``: optional; where the backend's kernels were loaded from (``python -m mla_inductor.info``;
   also part of the pass's cache key, so a graph compiled against one build is never served for another).
 - ``append_supports(device_type, capability)`` / ``append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)``:
@@ -117,6 +123,15 @@ class Backend:
                             sparse_indices, q_scale):
         # q_scale only serves backends that quantize q; the result is defined on q as given.
         return self.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+
+    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
+        run = self.decode_with_q_scale
+
+        def decode(*args):
+            out, lse = run(*args)
+            return (out.contiguous(), lse.contiguous()) if with_lse else out.contiguous()
+
+        return decode
 
     def loaded_from(self) -> Optional[str]:
         return None

@@ -176,6 +176,9 @@ class _PlannedWrapper:
         self.uploaded = torch.cuda.Event() if device.type == "cuda" else None
         # Whether the last plan has a query row that sees no key (it then needs finish_empty_rows).
         self.rows_may_be_empty = True
+        # The module call wrapper.run() made for the current plan, to repeat without its Python (_DirectRun);
+        # None until the first run after each plan, False where it cannot be repeated.
+        self.direct_run = None
 
     def wait_for_upload(self) -> None:
         """Wait for the previous plan's upload, only if the GPU has not reached it yet (the host is then a
@@ -186,6 +189,73 @@ class _PlannedWrapper:
     def plan_uploaded(self) -> None:
         if self.uploaded is not None:
             self.uploaded.record()
+
+
+class _RecordingModule:
+    """Stands in for a wrapper's compiled module during one ``wrapper.run()``: records the arguments of the
+    module's ``run`` call and forwards them."""
+
+    def __init__(self, module):
+        self._module = module
+        self.args = None
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def run(self, *args):
+        self.args = args
+        return self._module.run(*args)
+
+
+class _DirectRun:
+    """FlashInfer's kernel call for the current plan of one wrapper, without ``wrapper.run()``'s Python.
+
+    ``BatchMLAPagedAttentionWrapper.run()`` checks its arguments against the plan (q / cache dtypes, out / lse
+    shapes, fp8 scales) and hands them, with the planned state (workspaces, plan info, page indices, mask
+    mode, heads, page size, sm_scale), to its compiled module's ``run``: 15-20 µs of Python per call, as much
+    as a short decode kernel. What it checks is fixed by the wrapper's configuration (``_WrapperKey``: dtypes,
+    heads, dims) and by how ``wrapper_run`` calls it (outputs it allocates itself, scales 1.0), so the checks
+    need to run once per plan: the first run after each plan goes through ``wrapper.run()`` with the module's
+    ``run`` call recorded (``record``), and later runs repeat that call with their own q, cache views, out and
+    lse in place. The list is rebuilt after every plan (``wrapper_plan`` drops it), since plan() replaces the
+    plan info and may replace the module. Where the recording does not show each per-call tensor exactly once
+    (a FlashInfer passing them differently), every run goes through ``wrapper.run()``.
+    """
+
+    __slots__ = ("run", "template", "positions")
+
+    def __init__(self, run, template: list, positions: list[int]):
+        self.run, self.template, self.positions = run, template, positions
+
+    @staticmethod
+    def record(wrapper, tensors: tuple, kwargs: dict):
+        """Run ``wrapper.run`` on ``tensors`` (q_nope, q_pe, ckv, kpe, out, lse) and return the ``_DirectRun``
+        repeating it, or False where it cannot be repeated."""
+        module = getattr(wrapper, "_cached_module", None)
+        if module is None or not callable(getattr(module, "run", None)):
+            wrapper.run(*tensors[:4], out=tensors[4], lse=tensors[5], **kwargs)
+            return False
+        recorder = _RecordingModule(module)
+        wrapper._cached_module = recorder
+        try:
+            wrapper.run(*tensors[:4], out=tensors[4], lse=tensors[5], **kwargs)
+        finally:
+            wrapper._cached_module = module
+        if recorder.args is None:
+            return False
+        positions = [[i for i, a in enumerate(recorder.args) if a is t] for t in tensors]
+        if any(len(p) != 1 for p in positions):
+            return False
+        template = list(recorder.args)
+        for (i,) in positions:
+            template[i] = None  # the per-call tensors are not kept alive
+        return _DirectRun(module.run, template, [p[0] for p in positions])
+
+    def __call__(self, *tensors) -> None:
+        args = self.template.copy()
+        for i, t in zip(self.positions, tensors):
+            args[i] = t
+        self.run(*args)
 
 
 def _pinned(t: Tensor) -> Tensor:
@@ -249,6 +319,7 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
         key.rope_dim, key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
     entry.plan_uploaded()
     entry.rows_may_be_empty = empty_rows
+    entry.direct_run = None  # recorded again by the next run (plan() replaced the plan info)
     PLANS.put(key, block_table, seq_lens, sparse_indices, counts)
     return [counts]
 
@@ -273,8 +344,14 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
         q_nope = torch.mul(q_nope, kv_scale, out=torch.empty_like(q_nope))
         q_pe = torch.mul(q_pe, kv_scale, out=torch.empty_like(q_pe))
         scales = dict(ckv_scale=1.0, kpe_scale=1.0)
-    entry.wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, return_lse_base_on_e=True,
-                      **scales)
+    if entry.direct_run:
+        entry.direct_run(q_nope, q_pe, ckv, kpe, out, lse)
+    elif entry.direct_run is None:
+        entry.direct_run = _DirectRun.record(entry.wrapper, (q_nope, q_pe, ckv, kpe, out, lse),
+                                             dict(return_lse=True, return_lse_base_on_e=True, **scales))
+    else:
+        entry.wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, return_lse_base_on_e=True,
+                          **scales)
     if scales:
         out.mul_(kv_scale)
     # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
@@ -361,6 +438,19 @@ class FlashInferWrapperBackend(Backend):
         args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
         return wrapper_run(self.fi_backend, *args, wrapper_plan(self.fi_backend, *args, key=key), key=key)
+
+    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
+        # The wrapper's key follows from the call signature: computed once, not per call.
+        q_nope, q_pe, kv_cache, block_table, _, softmax_scale, _, sparse_indices, _ = args
+        key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+        fi_backend = self.fi_backend
+
+        def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
+            eight = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+            out, lse = wrapper_run(fi_backend, *eight, wrapper_plan(fi_backend, *eight, key=key), key=key)
+            return (out, lse) if with_lse else out
+
+        return decode
 
 
 # ----------------------------------------------------------------------------- table-driven backends

@@ -77,6 +77,7 @@ from mla_inductor._compat import real_tensors
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
+    PlanCache,
     clamp_pages,
     cuda_reason,
     decode_op,
@@ -570,8 +571,33 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
                        q_nope.dtype, need_lse)
 
 
+# The last plan made by a call without one (eager, a graph compiled per layer), reused by the next such calls
+# over the same block_table / seq_lens / sparse_indices and shapes: one schedule per step however it is split.
+PLANS = PlanCache("flashmla")
+
+
+def decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                         need_lse: bool = True, q_scale: Optional[Tensor] = None):
+    """``decode_and_plan`` for a call given no plan: it takes the plan ``PLANS`` holds for these tensors (the
+    schedule, row counts and kernel tensors: three or four small kernels and the metadata call fewer) or makes
+    one and stores it. While a CUDA graph is captured the call plans inline and stores nothing: its replays
+    must recompute the plan from the lengths they see. Returns ``(out, lse or None)``."""
+    capturing = q_nope.is_cuda and torch.cuda.is_current_stream_capturing()
+    config = (q_nope.shape, q_nope.dtype, kv_cache.shape, kv_cache.dtype, block_table.shape, q_nope.device,
+              None if sparse_indices is None else sparse_indices.shape)
+    stored = None if capturing else PLANS.get(config, block_table, seq_lens, sparse_indices)
+    out, lse, plan = decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                     sparse_indices, stored or [], need_lse, q_scale)
+    if stored is None and not capturing:
+        PLANS.put(config, block_table, seq_lens, sparse_indices, plan)
+    return out, lse
+
+
 def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
     """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32, natural log)."""
+    if not plan:
+        return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                    sparse_indices)
     return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                            plan)[:2]
 
@@ -636,6 +662,8 @@ def _decode_and_plan_list(*args) -> list[Tensor]:
 def _decode_out(*args) -> Tensor:
     """``mla_flashmla::decode`` for a call whose lse nobody reads (``mla.paged_decode``): out only, with no
     epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse, dense_ds)."""
+    if not args[-1]:
+        return decode_reusing_plans(*args[:-1], need_lse=False)[0]
     return decode_and_plan(*args, need_lse=False)[0]
 
 
@@ -764,8 +792,18 @@ class FlashMLABackend(Backend):
 
     def decode_with_q_scale(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                             sparse_indices, q_scale):
-        return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                               [], q_scale=q_scale)[:2]
+        return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                    sparse_indices, q_scale=q_scale)
+
+    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
+        # mla.paged_decode reads no lse: where the kernel zeroes the rows that see nothing itself (dense
+        # bf16/fp16, sparse, dense_ds) its output is the result and no epilogue kernel runs.
+        def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
+            out, lse = decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                            sparse_indices, need_lse=with_lse, q_scale=q_scale)
+            return (out, lse) if with_lse else out
+
+        return decode
 
 
 BACKEND = FlashMLABackend()

@@ -1,0 +1,395 @@
+"""Host time our op adds per call, isolated from any kernel: runs on CPU (and on a GPU).
+
+    python benchmarks/bench_host_overhead.py [--device cpu|cuda] [--calls 61] [--steps 40]
+        [--cases 1x128:bf16,32x16:bf16,1x128:fp8_e4m3] [--value-checks off|device] [--profile]
+        [--real] [--out DIR]
+
+A no-op backend (``register_backend``, as a user would add one) claims every call and returns
+preallocated outputs, so what is timed is our own host work: the op's dispatch and Python (contract
+checks, selection, the backend's run wrapper, allocations, extra kernels) and, compiled, what the pass
+writes into the graph. For each case, ``--calls`` calls back to back per step (one decoder step of a
+61-layer model), µs per call (median over ``--steps`` steps, ``time.perf_counter``):
+
+- ``direct``: the no-op backend's kernel function called by hand (the floor: a Python call);
+- ``eager``: ``torch.ops.mla.paged_decode`` in a Python loop;
+- ``compiled``: the same loop under ``torch.compile`` (no CUDA graphs), all calls in one graph;
+- ``planned eager`` / ``planned compiled``: the same with a no-op backend that also has a plan op
+  (made once per step: before each step seq_lens is marked written, as a decode step leaves it).
+
+``overhead`` is the mode's time minus ``direct``. ``--value-checks off`` (the default) runs the op as on a
+GPU without ``MLA_INDUCTOR_DEBUG``: the data checks CPU calls always make (they read tensor values, which
+is free on CPU and a sync on a GPU) are left out, so the CPU numbers show the host work a GPU call pays;
+``device`` keeps what the device does (on CPU: the checks every call). ``--profile`` prints the top
+functions of a cProfile of each mode (and keeps them in the JSON), naming where the time goes.
+
+On a GPU, ``--real`` also times the backend the selection picks for real, on a DeepSeek-V3-shaped case
+(S=4096, page 64; ``benchmarks/peers.py``), eager and compiled, and the peers found by import called
+directly with their plan made once (host wall time per call with a device sync per step: at B=1 the
+kernel is short and host time is most of it). ``--out DIR`` writes bench_host_overhead.md / .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+from unittest import mock
+
+import torch
+from report import add_out_argument, environment, environment_line, markdown_table, progress, write_results
+
+import mla_inductor
+from mla_inductor import contract
+from mla_inductor.backends import Backend, register_backend, unregister_backend
+from mla_inductor.backends._common import PlanCache, decode_op
+
+L, R, PAGE, PAGES_PER_SEQ = 512, 64, 64, 4
+NOOP, NOOP_PLANNED = "noop_overhead", "noop_overhead_planned"
+
+
+# ----------------------------------------------------------------------------- the no-op backends
+
+class _Outputs:
+    """The preallocated (out, lse) the no-op kernel returns, per query shape and dtype."""
+
+    def __init__(self):
+        self.by_shape: dict = {}
+
+    def get(self, q_nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (tuple(q_nope.shape), q_nope.dtype, q_nope.device)
+        if key not in self.by_shape:
+            self.by_shape[key] = contract.empty_decode_outputs(q_nope)
+        return self.by_shape[key]
+
+
+OUTPUTS = _Outputs()
+PLANS = PlanCache("noop_overhead")
+
+
+def noop_kernel(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    """The no-op backend's kernel: returns preallocated outputs (what a direct call of a library costs,
+    minus the library)."""
+    return OUTPUTS.get(q_nope)
+
+
+def noop_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
+    """A plan kept in a PlanCache, as a real planned backend keeps it: made once per step."""
+    config = (tuple(q_nope.shape), q_nope.dtype, kv_cache.dtype, softmax_scale)
+    made = PLANS.get(config, block_table, seq_lens, sparse_indices)
+    if made is None:
+        made = seq_lens.clone()
+        PLANS.put(config, block_table, seq_lens, sparse_indices, made)
+    return [made]
+
+
+def _plan_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, *args):
+    return [torch.empty_like(seq_lens)]
+
+
+def _outputs_fake(q_nope, *args):
+    # The real op hands out the same buffers each call; the compiled graph only needs their shapes.
+    return contract.empty_decode_outputs(q_nope)
+
+
+RUN_OP = decode_op("mla_bench_overhead::run", noop_kernel, fake=_outputs_fake)
+PLAN_OP = decode_op("mla_bench_overhead::plan", noop_plan, returns="tensors", takes_plan=False, fake=_plan_fake)
+
+
+class NoopBackend(Backend):
+    """Claims every call; its kernel does nothing (``planned``: it also has a plan op, like FlashInfer's)."""
+
+    def __init__(self, name: str, planned: bool):
+        self.name = name
+        self.planned = planned
+
+    def supports(self, problem, capability):
+        return None
+
+    def compiled_op(self):
+        return RUN_OP
+
+    def plan_op(self):
+        return PLAN_OP if self.planned else None
+
+    def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
+        args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+        return noop_kernel(*args, noop_plan(*args) if self.planned else [])
+
+
+# ----------------------------------------------------------------------------- cases and timing
+
+def parse_cases(text: str) -> list[tuple[int, int, str]]:
+    cases = []
+    for item in text.split(","):
+        shape, _, fmt = item.partition(":")
+        B, H = (int(x) for x in shape.split("x"))
+        cases.append((B, H, fmt or "bf16"))
+    return cases
+
+
+def make_args(B: int, H: int, fmt: str, device: str) -> tuple:
+    """The op's arguments for one case: random q, a small cache (the no-op kernel reads none of it), full
+    sequences of PAGES_PER_SEQ pages each; q_nope / q_pe are slices of one [T, H, 576] query."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L + R, generator=g).to(torch.bfloat16).to(device)
+    pages = B * PAGES_PER_SEQ
+    cache = torch.randn(pages, PAGE, L + R, generator=g).to(torch.bfloat16)
+    if fmt == "fp8_e4m3":
+        cache = cache.to(torch.float8_e4m3fn)
+    block_table = torch.randperm(pages, generator=g).to(torch.int32).reshape(B, PAGES_PER_SEQ).to(device)
+    seq_lens = torch.full((B,), PAGES_PER_SEQ * PAGE, dtype=torch.int32, device=device)
+    kv_scale = torch.ones(1, dtype=torch.float32, device=device)
+    return q[..., :L], q[..., L:], cache.to(device), block_table, seq_lens, (L + R) ** -0.5, kv_scale
+
+
+def new_step(seq_lens: torch.Tensor) -> None:
+    """Leave seq_lens as a decode step's bookkeeping leaves it: written (version counter moved, so a plan
+    of the previous step is not reused) and its host copy registered (no device->host copy in the plan)."""
+    torch.autograd.graph.increment_version(seq_lens)
+    mla_inductor.register_host_lengths(seq_lens, seq_lens.to("cpu", copy=True))
+
+
+def step_calls(calls: int, op=None) -> Callable:
+    """A step making ``calls`` decode calls over the same arguments."""
+    op = op or torch.ops.mla.paged_decode
+
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, kv_scale):
+        return [op(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, kv_scale) for _ in range(calls)]
+
+    return step
+
+
+def direct_step(calls: int, planned: bool) -> Callable:
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, kv_scale):
+        args = (q_nope, q_pe, kv_cache, block_table, seq_lens, scale, kv_scale, None)
+        plan = noop_plan(*args) if planned else []
+        return [noop_kernel(*args, plan)[0] for _ in range(calls)]
+
+    return step
+
+
+def us_per_call(run: Callable[[], object], calls: int, steps: int, before: Callable[[], None], sync) -> float:
+    """Median over ``steps`` steps of the step's wall time / ``calls`` (after 3 warm-up steps)."""
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(steps + 3):
+            before()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return statistics.median(times) * 1e6 / calls
+
+
+def profile_of(run: Callable[[], object], before: Callable[[], None], steps: int, top: int = 18) -> str:
+    """The top functions (by own time) of a cProfile over ``steps`` steps."""
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        before()
+        profiler.enable()
+        run()
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+@contextlib.contextmanager
+def value_checks(policy: str, device: str):
+    """``off``: leave out the data checks, as a GPU call without MLA_INDUCTOR_DEBUG does (every module of
+    ours that asks ``contract.wants_value_checks`` is told no); ``device``: what the device does."""
+    if policy == "device":
+        yield
+        return
+    import mla_inductor.lowering.graph_pass  # noqa: F401 - imported so that its binding is patched too
+
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("mla_inductor")
+               and getattr(m, "wants_value_checks", None) is contract.wants_value_checks]
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(mock.patch.object(module, "wants_value_checks", lambda t: False))
+        yield
+
+
+def fresh_compile(step: Callable) -> Callable:
+    """``torch.compile`` of ``step`` (no CUDA graphs), lowered afresh: Inductor's caches would serve a graph
+    compiled under another value-check policy."""
+    compiled = torch.compile(step, fullgraph=True)
+
+    def run(*args):
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            return compiled(*args)
+
+    return run
+
+
+# ----------------------------------------------------------------------------- the no-op measurement
+
+def time_noop_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
+    device = args.device
+    op_args = make_args(B, H, fmt, device)
+    seq_lens = op_args[4]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    row = {"case": f"B={B} H={H} {fmt}", "device": device}
+    profiles = {}
+    for planned, backend in ((False, NOOP), (True, NOOP_PLANNED)):
+        prefix = "planned " if planned else ""
+        before = (lambda: new_step(seq_lens)) if planned else (lambda: None)
+        with mla_inductor.prefer_backends(backend), value_checks(args.value_checks, device):
+            modes = {"direct": (lambda f=direct_step(args.calls, planned): f(*op_args))}
+            eager = step_calls(args.calls)
+            modes["eager"] = lambda: eager(*op_args)
+            torch.compiler.reset()
+            compiled = fresh_compile(step_calls(args.calls))
+            before()
+            compiled(*op_args)  # compiles
+            modes["compiled"] = lambda: compiled(*op_args)
+            for mode, run in modes.items():
+                us = us_per_call(run, args.calls, args.steps, before, sync)
+                row[prefix + mode] = us
+                if args.profile and mode != "direct":
+                    profiles[prefix + mode] = profile_of(run, before, max(3, args.steps // 4))
+            for mode in ("eager", "compiled"):
+                row[f"{prefix}{mode} overhead"] = row[prefix + mode] - row[prefix + "direct"]
+            progress(f"  {prefix or 'plain '}: direct {row[prefix + 'direct']:.2f}  eager {row[prefix + 'eager']:.2f}  "
+                     f"compiled {row[prefix + 'compiled']:.2f} us/call")
+    torch.compiler.reset()
+    if profiles:
+        row["profiles"] = profiles
+        for mode, text in profiles.items():
+            progress(f"--- cProfile, {row['case']}, {mode} ({args.calls} calls per step)\n{text}")
+    return row
+
+
+# ----------------------------------------------------------------------------- the real backend (GPU)
+
+def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
+    """Our op on the backend the selection picks, eager and compiled, and the peers called directly: host wall
+    µs per call with a device sync per step (S=4096, the same query and cache for every call)."""
+    import peers as peer_kernels
+
+    c = peer_kernels.make_case(B, H, 4096)
+    if fmt == "bf16":
+        kv_cache, kv_scale, names = c["cache"], torch.ones(1, device="cuda"), ("sgl_flashmla", "flashmla",
+                                                                                  "flashinfer_fa3", "flashinfer_fa2")
+    else:
+        kv_cache, k_scale = peer_kernels.fp8_cache(c)
+        kv_scale, names = k_scale.reshape(1).float(), ("sgl_flashmla_fp8", "flashmla_fp8", "flashinfer_fa3_fp8")
+    q = c["q"]
+    op_args = (q[..., :L], q[..., L:], kv_cache, c["block_table"], c["lens"], c["scale"], kv_scale)
+    host = c["lens"].cpu()
+    sync = torch.cuda.synchronize
+
+    def before():
+        torch.autograd.graph.increment_version(c["lens"])
+        mla_inductor.register_host_lengths(c["lens"], host)
+
+    row = {"case": f"B={B} H={H} {fmt} S=4096", "device": torch.cuda.get_device_name(),
+           "backend": mla_inductor.backend_for_call(*op_args).backend}
+    peer_us = {}
+    for name in names:
+        try:
+            call = peer_kernels.PEERS[name](c)
+        except peer_kernels.PeerMissing as e:
+            progress(f"  peer {name}: not installed ({e})")
+            continue
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+            progress(f"  peer {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+            continue
+        peer_us[name] = us_per_call(lambda: [call() for _ in range(args.calls)], args.calls, args.steps,
+                                    lambda: None, sync)
+        progress(f"  peer {name}: {peer_us[name]:.1f} us/call")
+    if peer_us:
+        row["best peer"] = min(peer_us, key=peer_us.get)
+        row["peer"] = peer_us[row["best peer"]]
+    eager = step_calls(args.calls)
+    row["eager"] = us_per_call(lambda: eager(*op_args), args.calls, args.steps, before, sync)
+    torch.compiler.reset()
+    compiled = fresh_compile(step_calls(args.calls))
+    before()
+    compiled(*op_args)
+    row["compiled"] = us_per_call(lambda: compiled(*op_args), args.calls, args.steps, before, sync)
+    for mode in ("eager", "compiled"):
+        row[f"{mode} ratio"] = row[mode] / row["peer"] if row.get("peer") else None
+    progress(f"  ours on {row['backend']}: eager {row['eager']:.1f}, compiled {row['compiled']:.1f} us/call")
+    if args.profile:
+        row["profiles"] = {"eager": profile_of(lambda: eager(*op_args), before, 5),
+                           "compiled": profile_of(lambda: compiled(*op_args), before, 5)}
+        for mode, text in row["profiles"].items():
+            progress(f"--- cProfile, real {row['case']}, {mode}\n{text}")
+    torch.compiler.reset()
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+
+NOOP_COLUMNS = ["case", "direct", "eager", "eager overhead", "compiled", "compiled overhead", "planned direct",
+                "planned eager", "planned eager overhead", "planned compiled", "planned compiled overhead"]
+REAL_COLUMNS = ["case", "backend", "best peer", "peer", "eager", "eager ratio", "compiled", "compiled ratio"]
+
+
+def markdown(noop_rows: list, real_rows: list, env: dict, args) -> str:
+    lines = [f"# Host overhead per call ({args.calls} calls per step, median of {args.steps} steps)", "",
+             environment_line(env), "",
+             f"No-op backend, µs per call (value checks: {args.value_checks}); overhead = mode - direct:", "",
+             markdown_table(NOOP_COLUMNS, noop_rows)]
+    if real_rows:
+        lines += ["", "Real selected backend vs the peers called directly, host wall µs per call (device sync per "
+                  "step):", "", markdown_table(REAL_COLUMNS, real_rows)]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--calls", type=int, default=61)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--cases", type=parse_cases, default=parse_cases("1x128:bf16,32x16:bf16,1x128:fp8_e4m3"))
+    parser.add_argument("--value-checks", choices=("off", "device"), default="off")
+    parser.add_argument("--profile", action="store_true", help="print (and keep) a cProfile of each mode")
+    parser.add_argument("--real", action="store_true", help="on a GPU: also the real selected backend and the peers")
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU; torch.cuda.is_available() is False here. Nothing was run.")
+    register_backend(NOOP, NoopBackend(NOOP, planned=False))
+    register_backend(NOOP_PLANNED, NoopBackend(NOOP_PLANNED, planned=True))
+    env = environment()
+    progress(environment_line(env))
+    noop_rows, real_rows = [], []
+    try:
+        for B, H, fmt in args.cases:
+            progress(f"## no-op backend, B={B} H={H} {fmt} on {args.device}")
+            noop_rows.append(time_noop_case(B, H, fmt, args))
+    finally:
+        unregister_backend(NOOP)
+        unregister_backend(NOOP_PLANNED)
+    if args.real:
+        if args.device != "cuda":
+            progress("--real needs --device cuda (a GPU): the real backends were not timed")
+        else:
+            for B, H, fmt in args.cases:
+                progress(f"## real backend, B={B} H={H} {fmt}")
+                real_rows.append(time_real_case(B, H, fmt, args))
+    text = markdown(noop_rows, real_rows, env, args)
+    print(text)
+    write_results(args.out, "bench_host_overhead", text, {"environment": env, "noop": noop_rows, "real": real_rows,
+                                                         "calls": args.calls, "steps": args.steps,
+                                                         "value_checks": args.value_checks})
+
+
+if __name__ == "__main__":
+    main()
