@@ -18,7 +18,7 @@ from grids import (CASES, INTERPRETER_CASES, build, compiled_decode, one_thread_
                    step_args, tolerances, tolerances_for)
 from mla_inductor.backends import BACKEND_MODULES, device_capability, get_backend
 from mla_inductor.contract import check_decode_args, empty_decode_outputs
-from mla_inductor.testing import edge_case_grid, edge_case_inputs, relative_error
+from mla_inductor.testing import backend_call_paths, edge_case_grid, edge_case_inputs, relative_error
 from naive import naive_decode
 from poison import poisoned
 from triton_support import needs_triton_on_cpu
@@ -157,23 +157,6 @@ def check_edge_result(x, out, lse, tols, what):
     assert bool((lse.cpu()[empty] == float("-inf")).all()), f"{what}: a row that sees nothing has lse != -inf"
 
 
-def compiled_graph_calls(backend, args):
-    """What a compiled graph calls for this backend (lowering/graph_pass.py's replacement), each as
-    (what, out, lse): the plan op once, then the decode op with the plan; the out-only and decode-and-plan
-    ops where the backend has them; ``decode`` itself where it has no op (the pass traces it)."""
-    op, plan_op = backend.compiled_op(), backend.plan_op()
-    if op is None:
-        return [("traced decode", *backend.decode(*args))]
-    plan = plan_op(*args) if plan_op is not None else []
-    calls = [("compiled_op", *op(*args, plan))]
-    if backend.out_only_op() is not None:
-        calls.append(("out_only_op", backend.out_only_op()(*args, plan), calls[0][2]))
-    if backend.decode_and_plan_op() is not None:
-        out, lse, *_ = backend.decode_and_plan_op()(*args)
-        calls.append(("decode_and_plan_op", out, lse))
-    return calls
-
-
 @pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("name,fmt", EDGE_GRID, ids=EDGE_IDS)
 def test_reference_edge_cases(name, fmt):
@@ -197,8 +180,7 @@ def test_triton_interpreter_edge_cases(name, fmt):
     backend = get_backend("triton")
     assert backend.supports(check_decode_args(*x.args()), None) is None
     tols = tolerances_for(fmt, torch.bfloat16, "triton")
-    check_edge_result(x, *backend.decode(*x.args()), tols, f"triton decode {name} {fmt}")
-    for what, out, lse in compiled_graph_calls(backend, x.args()):
+    for what, out, lse in backend_call_paths(backend, x.args()):
         check_edge_result(x, out, lse, tols, f"triton {what} {name} {fmt}")
 
 
@@ -250,10 +232,8 @@ def test_gpu_backend_edge_cases(backend_name, name, fmt):
         pytest.skip(f"{backend_name} cannot run {name} {fmt}: {reason}")
     tols = tolerances_for(fmt, torch.bfloat16, backend_name)
     _poison_allocator()
-    check_edge_result(x, *backend.decode(*x.args()), tols, f"{backend_name} decode {name} {fmt}")
-    if backend.quantized_query_op(problem) is not None:
-        return  # the graph quantizes q itself and calls that op: tests/test_backend_flashmla.py covers it
-    for what, out, lse in compiled_graph_calls(backend, x.args()):
+    # (Where the graph quantizes q itself, FlashMLA's dense FP8, its op is covered by tests/test_backend_flashmla.py.)
+    for what, out, lse in backend_call_paths(backend, x.args()):
         torch.cuda.synchronize()
         check_edge_result(x, out, lse, tols, f"{backend_name} {what} {name} {fmt}")
 
