@@ -122,15 +122,22 @@ def test_gpu_backend_compiled(backend_name, name):
     import mla_inductor.lowering  # noqa: F401 - installs the pass
 
     case, x, _ = _gpu_case(backend_name, name)
+    out, lse = compiled_on(backend_name, x, name)
+    check_against_oracle(x, out, lse, tolerances(case, backend_name), f"compiled {backend_name} {name}")
+
+
+def compiled_on(backend_name, x, what):
+    """(out, lse) of a compiled step over ``x`` whose call the pass gives ``backend_name`` (preferred), into a
+    NaN-filled allocator; skips where the selection gives another backend even so."""
     with mla_inductor.prefer_backends(backend_name):
         chosen = mla_inductor.backend_for_call(*x.args()).backend
         if chosen != backend_name:
-            pytest.skip(f"the selection gives {chosen} for {name} even when {backend_name} is preferred")
+            pytest.skip(f"the selection gives {chosen} for {what} even when {backend_name} is preferred")
         with compiled_decode(x.softmax_scale, dynamic=False) as (step, _):
             _poison_allocator()
             out, lse = step(*step_args(x))
     torch.cuda.synchronize()
-    check_against_oracle(x, out, lse, tolerances(case, backend_name), f"compiled {backend_name} {name}")
+    return out, lse
 
 
 # ----------------------------------------------------------------------------- edge cases, every backend
@@ -254,13 +261,6 @@ def test_gpu_backend_edge_cases_compiled(backend_name, name, fmt):
     reason = backend.unavailable_reason()
     if reason is not None:
         pytest.skip(f"{backend_name}: {reason}")
-    with mla_inductor.prefer_backends(backend_name):
-        chosen = mla_inductor.backend_for_call(*x.args()).backend
-        if chosen != backend_name:
-            pytest.skip(f"the selection gives {chosen} for {name} {fmt} even when {backend_name} is preferred")
-        with compiled_decode(x.softmax_scale, dynamic=False) as (step, _):
-            _poison_allocator()
-            out, lse = step(*step_args(x))
-    torch.cuda.synchronize()
+    out, lse = compiled_on(backend_name, x, f"{name} {fmt}")
     check_edge_result(x, out, lse, tolerances_for(fmt, torch.bfloat16, backend_name),
                       f"compiled {backend_name} {name} {fmt}")
