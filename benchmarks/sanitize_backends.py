@@ -1,22 +1,30 @@
 """Every GPU backend's decode (and the CUDA cache writer) on edge cases, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_backends.py [--out DIR] [--backends a,b]
+        [--cases SUBSTRING]
 
 Each case is a valid call whose unused memory is a trap: the cache holds exactly the pages the batch
 uses (no spare page to read past), unused block-table entries hold 2147480000 (or -1), rows nothing
 attends hold NaN, sparse rows are padded with -1 and some list nothing; zero lengths, a query longer
-than its sequence, pages of 1 and 16 tokens, odd lengths, 1 to 128 heads, every cache format. A kernel
-that dereferences what the call does not attend reads outside an allocation (memcheck reports it; the
-CUDA caching allocator is switched off here so every tensor is its own allocation) or returns NaN (this
-script reports it: each output is compared with the reference on the same GPU).
+than its sequence, pages of 1 and 16 tokens, odd lengths, 1 to 128 heads, every cache format. Then the
+calls with nothing (or little) to attend, ``mla_inductor.testing.EDGE_CASES`` in every cache format:
+lengths all 0 with and without cache pages, a zero-width block table, an empty batch, Q > 1 over short
+sequences, all-padding and K = 0 sparse rows. Each backend runs each call the way eager dispatch does
+(``decode``) and the way a compiled graph does (its plan and decode ops); calls whose kernel takes an
+e4m3 query (FlashMLA's dense FP8) are made as if the caller opted in. A kernel that dereferences what the
+call does not attend reads outside an allocation (memcheck reports it; the CUDA caching allocator is
+switched off here so every tensor is its own allocation) or returns NaN or a wrong value (this script
+reports it: each output is compared with the reference on the same GPU, and rows that see nothing must be
+exactly out 0, lse -inf).
 
-Expected: "0 errors" in compute-sanitizer's ERROR SUMMARY and every row "ok" or "skipped (reason)".
-Without a CUDA GPU the script says so and exits 0.
+Expected: "0 errors" in compute-sanitizer's ERROR SUMMARY and every row "ok" or "skipped (reason)"; the
+exit status is 1 when a row is a MISMATCH or an ERROR. Without a CUDA GPU the script says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -61,13 +69,26 @@ def build(spec: dict, seed: int, device="cuda"):
     spec = dict(spec)
     table_fill, empty_rows = spec.pop("table_fill", HUGE_PAGE_ID), spec.pop("empty_rows", 0)
     x = make_decode_inputs(**spec, spare_pages=0, device=device, seed=seed)
+    if x.sparse_indices is not None and empty_rows:
+        x.sparse_indices[-empty_rows:] = -1
+    return trap_unused_memory(x, table_fill)
+
+
+def build_edge(name: str, fmt: str, seed: int, device="cuda"):
+    """``EDGE_CASES[name]`` with a ``fmt`` cache on ``device``, unused memory filled the same way."""
+    from mla_inductor.testing import edge_case_inputs
+
+    return trap_unused_memory(edge_case_inputs(name, fmt, device=device, seed=seed), HUGE_PAGE_ID)
+
+
+def trap_unused_memory(x, table_fill: int):
+    """In place: unused block-table entries ``table_fill``, every cache row the call does not attend NaN."""
+    device = x.kv_cache.device
     page = x.kv_cache.shape[1]
     cols = torch.arange(x.block_table.shape[1], device=device)
     x.block_table.masked_fill_(cols[None, :] * page >= x.seq_lens.long()[:, None], table_fill)
     attended = torch.zeros(x.kv_cache.shape[0] * page, dtype=torch.bool, device=device)
     if x.sparse_indices is not None:
-        if empty_rows:
-            x.sparse_indices[-empty_rows:] = -1
         listed = x.sparse_indices.long().flatten()
         attended[listed[listed >= 0]] = True
     else:
@@ -82,17 +103,42 @@ def build(spec: dict, seed: int, device="cuda"):
     return x
 
 
-def check_decode(backend, x) -> str:
-    from mla_inductor.reference import paged_decode_reference
+def judge(out, lse, ref_out, ref_lse) -> str:
+    """'ok' or 'MISMATCH', with the errors: gross errors only (precision is the tests' business), and rows
+    that see nothing exactly out 0, lse -inf."""
     from mla_inductor.testing import relative_error
 
-    out, lse = backend.decode(*x.args())
-    if out.is_cuda:
+    err_out, err_lse = relative_error(out, ref_out), relative_error(lse, ref_lse)
+    empty = torch.isinf(ref_lse)
+    exact = out.shape == ref_out.shape and bool((out[empty] == 0).all()) and bool((lse[empty] == ref_lse[empty]).all())
+    bad = not (err_out < 0.1 and err_lse < 0.02 and exact)
+    return f"{'MISMATCH' if bad else 'ok'} (out error {err_out:.1e}, lse error {err_lse:.1e}" + \
+        ("" if exact else ", a row that sees nothing is not out 0 / lse -inf") + ")"
+
+
+def check_decode(backend, x, all_paths: bool = False) -> str:
+    """``backend.decode`` against the reference; ``all_paths``: also every op a compiled graph calls."""
+    from mla_inductor.reference import paged_decode_reference
+    from mla_inductor.testing import backend_call_paths
+
+    paths = backend_call_paths(backend, x.args()) if all_paths else [("decode", *backend.decode(*x.args()))]
+    if x.q_nope.is_cuda:
         torch.cuda.synchronize()
     ref_out, ref_lse = paged_decode_reference(*x.args())
-    err_out, err_lse = relative_error(out, ref_out), relative_error(lse, ref_lse)
-    bad = not (err_out < 0.1 and err_lse < 0.02)  # gross errors only: precision is the tests' business
-    return f"{'MISMATCH' if bad else 'ok'} (out error {err_out:.1e}, lse error {err_lse:.1e})"
+    results = {what: judge(out, lse, ref_out, ref_lse) for what, out, lse in paths}
+    worst = next((r for r in results.values() if not r.startswith("ok")), results["decode"])
+    return worst if len(paths) == 1 else f"{worst} [{', '.join(f'{w} {r.split()[0]}' for w, r in results.items())}]"
+
+
+def all_cases(device="cuda") -> dict:
+    """name -> (make(seed) -> inputs on ``device``, whether to run the compiled graph's ops too): CASES,
+    then every edge case in every cache format (``edge:<case>-<format>``), those through every path."""
+    from mla_inductor.testing import edge_case_grid
+
+    cases = {name: (lambda seed, spec=spec: build(spec, seed, device), False) for name, spec in CASES.items()}
+    for name, fmt in edge_case_grid():
+        cases[f"edge:{name}-{fmt}"] = (lambda seed, name=name, fmt=fmt: build_edge(name, fmt, seed, device), True)
+    return cases
 
 
 def check_cache_append() -> str:
@@ -120,6 +166,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="directory for sanitize.md and sanitize.json")
     p.add_argument("--backends", default=None, help="comma-separated backend names (default: every GPU backend)")
+    p.add_argument("--cases", default=None, help="run only the cases whose name contains this")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("sanitize_backends: no CUDA GPU visible (torch.cuda.is_available() is False); nothing to run")
@@ -133,24 +180,29 @@ def main() -> int:
     capability = device_capability(torch.device("cuda"))
     print(f"GPU {torch.cuda.get_device_name()} (SM{capability[0]}{capability[1]}), torch {torch.__version__}",
           flush=True)
+    cases = all_cases()
+    if args.cases:
+        cases = {name: case for name, case in cases.items() if args.cases in name}
     rows, failures = [], 0
     for name in names:
         backend = get_backend(name)
         why = backend.unavailable_reason()
-        for i, (case, spec) in enumerate(CASES.items()):
+        for i, (case, (make, all_paths)) in enumerate(cases.items()):
             t0 = time.perf_counter()
             if why is not None:
                 result = f"skipped ({why})"
             else:
-                x = build(spec, seed=i)
-                reason = backend.supports(check_decode_args(*x.args()), capability)
+                x = make(i)
+                # Calls whose kernel takes an e4m3 query (FlashMLA's dense FP8) are made as if the caller opted in.
+                problem = dataclasses.replace(check_decode_args(*x.args()), fp8_query=True)
+                reason = backend.supports(problem, capability)
                 try:
-                    result = f"skipped ({reason})" if reason is not None else check_decode(backend, x)
+                    result = f"skipped ({reason})" if reason is not None else check_decode(backend, x, all_paths)
                 except Exception as e:  # noqa: BLE001 - report and go on to the next case
                     result = f"ERROR {type(e).__name__}: {e}"
             failures += result.startswith(("ERROR", "MISMATCH"))
             rows.append(dict(backend=name, case=case, result=result))
-            print(f"{name:18s} {case:32s} {result}  [{time.perf_counter() - t0:.1f} s]", flush=True)
+            print(f"{name:18s} {case:40s} {result}  [{time.perf_counter() - t0:.1f} s]", flush=True)
             if why is not None:
                 break  # one line says the backend is not installed
     try:
@@ -159,7 +211,7 @@ def main() -> int:
         append = f"ERROR {type(e).__name__}: {e}"
     failures += "ERROR" in append or "NON-FINITE" in append
     rows.append(dict(backend="cache_append", case="skipped and edge slots", result=append))
-    print(f"{'cache_append':18s} {'skipped and edge slots':32s} {append}", flush=True)
+    print(f"{'cache_append':18s} {'skipped and edge slots':40s} {append}", flush=True)
     print(f"{failures} failing rows; compute-sanitizer's ERROR SUMMARY counts the memory errors")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

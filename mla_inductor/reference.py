@@ -29,6 +29,7 @@ import torch
 
 from mla_inductor._compat import while_loop
 from mla_inductor.cache import cache_format, decode_tokens, encode_tokens
+from mla_inductor.contract import attends_nothing, nothing_attended
 
 Tensor = torch.Tensor
 
@@ -160,6 +161,8 @@ def paged_decode_reference(
 
     With ``sparse_indices`` every listed slot is one key: a slot listed twice counts twice.
     """
+    if attends_nothing(q_nope, kv_cache, block_table, sparse_indices):  # no rows, pages or slots to index
+        return nothing_attended(q_nope)
     T, H, L = q_nope.shape
     page_size = kv_cache.shape[1]
     device = q_nope.device

@@ -66,7 +66,7 @@ def make_decode_inputs(
         block_table[b, :n] = perm[used:used + n].int()
         used += n
     values = torch.randn(num_pages, page_size, kv_lora_rank + rope_dim, generator=g)
-    kv_scale = fp8_scale_for(values) if fmt == "fp8_e4m3" else torch.ones(1)
+    kv_scale = fp8_scale_for(values) if fmt == "fp8_e4m3" and values.numel() else torch.ones(1)
     kv_cache = encode_tokens(values, fmt, kv_scale)
     assert kv_cache.dtype == cache_dtype(fmt) and kv_cache.shape[-1] == token_width(fmt, kv_lora_rank, rope_dim)
     T = B * Q
@@ -87,6 +87,65 @@ def make_decode_inputs(
         if isinstance(value, torch.Tensor):
             setattr(inputs, name, value.to(device))
     return inputs
+
+
+# Calls with nothing (or little) to attend, the inputs no kernel takes as they are: every backend must give
+# the contract's result (rows that see nothing: out 0, lse -inf) without reading outside what it was given.
+# name -> make_decode_inputs arguments; ``all_padding``: every sparse slot -1.
+EDGE_CASES = {
+    "all_lengths_0": dict(seq_lens=[0, 0, 0]),  # pages exist: kernels run on lengths clamped to 1
+    "all_lengths_0_no_pages": dict(seq_lens=[0, 0], spare_pages=0),  # a cache of no pages (P = 0)
+    "some_lengths_0": dict(seq_lens=[0, 70, 0, 1]),
+    "table_width_0": dict(seq_lens=[0, 0], max_pages=0),  # block_table [B, 0]
+    "batch_0": dict(seq_lens=[], max_pages=1),  # B = 0, T = 0
+    "q4_short_lengths": dict(seq_lens=[1, 3, 0, 4, 6], q_per_seq=4),  # rows before position 0 see nothing
+    "sparse_all_padding": dict(seq_lens=[40, 0], topk=64, all_padding=True),
+    "sparse_some_rows_empty": dict(seq_lens=[40, 0, 1], topk=64),
+    "sparse_topk_0": dict(seq_lens=[40, 3], topk=0),
+}
+DENSE_EDGE_FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
+SPARSE_EDGE_FORMATS = ("bf16", "fp8_ds_mla")
+
+
+def edge_case_grid() -> list[tuple[str, str]]:
+    """(case, cache format) pairs: each dense case in every dense format, each sparse one in every sparse
+    format (FlashMLA's sparse kernels take fp8_ds_mla, FlashInfer's bf16)."""
+    return [(name, fmt) for name, spec in EDGE_CASES.items()
+            for fmt in (SPARSE_EDGE_FORMATS if "topk" in spec else DENSE_EDGE_FORMATS)]
+
+
+def edge_case_inputs(name: str, fmt: str = "bf16", *, num_heads: int = 64, kv_lora_rank: int = 512,
+                     rope_dim: int = 64, device: torch.device | str = "cpu", seed: int = 0) -> DecodeInputs:
+    """The inputs of ``EDGE_CASES[name]`` with a ``fmt`` cache (q in bf16)."""
+    spec = dict(EDGE_CASES[name])
+    all_padding = spec.pop("all_padding", False)
+    x = make_decode_inputs(**spec, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, fmt=fmt,
+                           seed=seed)
+    if all_padding:
+        x.sparse_indices.fill_(-1)
+    for field, value in vars(x).items():
+        if isinstance(value, torch.Tensor):
+            setattr(x, field, value.to(device))
+    return x
+
+
+def backend_call_paths(backend, args: tuple) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Run one call through every path a backend offers, as ``(what, out, lse)``: ``decode`` (what eager
+    dispatch calls), then what a compiled graph calls (the Inductor pass's replacement): the plan op once and
+    the decode op with that plan, the out-only op (lse: the decode op's) and the decode-and-plan op where the
+    backend has them. A backend without ops is traced by the pass from ``decode``: nothing more to call."""
+    paths = [("decode", *backend.decode(*args))]
+    op, plan_op = backend.compiled_op(), backend.plan_op()
+    if op is None:
+        return paths
+    plan = plan_op(*args) if plan_op is not None else []
+    paths.append(("compiled_op", *op(*args, plan)))
+    if backend.out_only_op() is not None:
+        paths.append(("out_only_op", backend.out_only_op()(*args, plan), paths[-1][2]))
+    if backend.decode_and_plan_op() is not None:
+        out, lse, *_ = backend.decode_and_plan_op()(*args)
+        paths.append(("decode_and_plan_op", out, lse))
+    return paths
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -57,7 +57,7 @@ def naive_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, k
     """
     T, H, L = q_nope.shape
     B = block_table.shape[0]
-    Q = T // B
+    Q = T // max(B, 1)  # B = 0: no rows
     page_size = kv_cache.shape[1]
     capacity = kv_cache.shape[0] * page_size
     q_all = torch.cat([q_nope, q_pe], dim=-1).double().cpu()

@@ -69,7 +69,7 @@ def poisoned(x, garbage: str = "nan", table_fill: int = HUGE_PAGE_ID, seed: int 
     """A copy of DecodeInputs ``x`` with every unattended cache row garbage and every unused
     block-table entry ``table_fill`` (None: left as is)."""
     x = dataclasses.replace(x, kv_cache=x.kv_cache.clone(), block_table=x.block_table.clone())
-    q_per_seq = x.q_nope.shape[0] // x.block_table.shape[0]
+    q_per_seq = x.q_nope.shape[0] // max(x.block_table.shape[0], 1)
     used = attended_slots(x.kv_cache, x.block_table.cpu(), x.seq_lens.cpu(), q_per_seq, x.sparse_indices)
     poison_unattended(x.kv_cache, used, garbage, seed)
     if table_fill is not None:

@@ -76,6 +76,34 @@ def test_seq_lens_values_do_not_recompile():
     assert counter.frame_count == 1
 
 
+class _ScaledAttention(torch.nn.Module):
+    """softmax_scale as a model holds it: a float attribute (Hugging Face's ``self.scaling``)."""
+
+    def __init__(self, softmax_scale: float):
+        super().__init__()
+        self.scaling = softmax_scale
+
+    def forward(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+        return torch.ops.mla.paged_decode_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scaling,
+                                                   kv_scale)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torch.compile(dynamic=True) makes a float a graph input (a 0-d tensor and .item()); the op's float "
+    "argument specializes it, which Dynamo finds only in AOTAutograd's tensorify pass, and it restarts the "
+    "frame's analysis with the float a constant: two traces on the first call. Not avoidable in the op "
+    "(no aten op to tensorify into); torch._dynamo.config.specialize_float=True or dynamic=None avoid it"))
+def test_dynamic_true_with_a_float_scale_traces_once():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    x = make_decode_inputs([5, 9, 3], **{**SMALL, "num_heads": 2})
+    step = torch.compile(_ScaledAttention(x.softmax_scale), fullgraph=True, dynamic=True, backend=counter)
+    out, lse = step(x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+    want_out, want_lse = torch.ops.mla.paged_decode_with_lse(*x.args())
+    assert relative_error(out, want_out) < 1e-5 and relative_error(lse, want_lse) < 1e-5
+    assert counter.frame_count == 1, f"{counter.frame_count} traces of one frame"
+
+
 def test_cache_append_and_decode_compile_without_graph_breaks():
     cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=2, max_seq_len=16, kv_lora_rank=32,
                                                    rope_dim=16, page_size=4)

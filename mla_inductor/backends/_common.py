@@ -8,6 +8,11 @@ rows and pages every kernel needs, and the fp8 query.
   ``clamp_pages`` (unused block-table entries may hold anything, -1 included), ``kernel_lengths``
   (kernels that take a length cannot run 0): what kernels read instead of the caller's tensors.
 - ``finish_empty_rows``: rows that see nothing get out 0 and lse -inf, whatever the kernel wrote.
+- ``skips_empty_calls`` (and every op ``decode_op`` defines): a call whose static sizes leave nothing to
+  attend (B = 0, no cache pages, a zero-width block table, K = 0 sparse slots) returns the contract's
+  result without launching anything: no library kernel takes such inputs (a cache of no pages has no page
+  a clamped id could point at). Calls whose rows are empty only by their lengths (known on the device)
+  run the kernel on ``kernel_lengths`` and ``clamp_pages`` and are finished by ``finish_empty_rows``.
 - ``quantize_query_fp8``: a query in e4m3 with one scale per tensor, on the device; ``quantize_query_reference``
   the same in plain torch (what the Inductor pass writes into the graph).
 - ``PlanCache``: one plan per step however the step is split (separately compiled layers, eager calls).
@@ -17,6 +22,7 @@ The cache format of a tensor is ``mla_inductor.cache.cache_format`` (and its dty
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -24,7 +30,14 @@ import torch
 
 from mla_inductor._compat import CUDAGRAPH_UNSAFE_TAGS, version_counter
 from mla_inductor.cache import FP8_E4M3_MAX
-from mla_inductor.contract import DECODE_ARG_NAMES, DECODE_ARGS_SCHEMA, DecodeProblem, empty_decode_outputs
+from mla_inductor.contract import (
+    DECODE_ARG_NAMES,
+    DECODE_ARGS_SCHEMA,
+    DecodeProblem,
+    attends_nothing,
+    empty_decode_outputs,
+    nothing_attended,
+)
 
 Tensor = torch.Tensor
 
@@ -32,11 +45,23 @@ DEEPSEEK_DIMS = (512, 64)  # (kv_lora_rank, rope_dim) of DeepSeek V2/V3: most li
 
 # ----------------------------------------------------------------------------- ops
 
-_RETURNS = {"out_lse": "(Tensor, Tensor)", "out": "Tensor", "tensors": "Tensor[]"}
+_RETURNS = {"out_lse": "(Tensor, Tensor)", "out": "Tensor", "tensors": "Tensor[]", "out_lse_plan": "Tensor[]"}
 _DEFAULT_FAKES: dict[str, Callable] = {
     "out_lse": lambda *args: empty_decode_outputs(args[0]),
     "out": lambda *args: empty_decode_outputs(args[0])[0],
 }
+
+
+def _empty_call_result(returns: str, fake: Callable, args: tuple):
+    """What an op returns for a call that attends nothing: out 0 and lse -inf, and a plan of zeros (the
+    fake's shapes) that only calls attending nothing read: a plan is shared by calls of one block table and
+    the same per-layer shapes, so they all attend nothing."""
+    if returns == "out_lse":
+        return nothing_attended(args[0])
+    if returns == "out":
+        return nothing_attended(args[0])[0]
+    plan = [torch.zeros_like(t) for t in fake(*args)]
+    return list(nothing_attended(args[0])) + plan[2:] if returns == "out_lse_plan" else plan
 _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
@@ -45,9 +70,11 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     """Define the op ``qualname`` ("namespace::name") on the contract's eight arguments, followed by
     ``plan: Tensor[]`` when ``takes_plan``, and return its OpOverload (the pass matches nodes by it).
 
-    ``impl(*args)`` computes it; ``returns``: "out_lse" (``(out [T, H, L], lse [T, H] fp32)``), "out" or
-    "tensors" (a plan, or ``[out, lse, *plan]``); ``fake(*args)``: the outputs' shapes (default: the
-    contract's, from ``empty_decode_outputs``; required for "tensors"). ``host_plan``: the op plans on the
+    ``impl(*args)`` computes it; ``returns``: "out_lse" (``(out [T, H, L], lse [T, H] fp32)``), "out",
+    "tensors" (a plan) or "out_lse_plan" (``[out, lse, *plan]``); ``fake(*args)``: the outputs' shapes
+    (default: the contract's, from ``empty_decode_outputs``; required for the lists). ``impl`` never sees a
+    call that attends nothing by its static sizes (``attends_nothing``): the op returns the contract's
+    result for it (and a plan of zeros) without running ``impl``. ``host_plan``: the op plans on the
     host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside).
 
     Registered with the low-level Library API: the dispatcher calls ``impl`` directly, without the Python
@@ -62,7 +89,10 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     arity = len(DECODE_ARG_NAMES) + takes_plan
 
     def full(*args):  # the dispatcher leaves out a defaulted sparse_indices
-        return impl(*args, *([None] * (arity - len(args))))
+        args = (*args, *([None] * (arity - len(args))))
+        if attends_nothing(args[0], args[2], args[3], args[7]):
+            return _empty_call_result(returns, fake, args)
+        return impl(*args)
 
     full.__doc__ = impl.__doc__
     lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
@@ -112,7 +142,7 @@ def visible_key_counts(seq_lens: Tensor, num_rows: int, sparse_indices: Optional
     if sparse_indices is not None:
         valid = (sparse_indices >= 0) & (sparse_indices < capacity)
         return valid.sum(dim=-1, dtype=torch.int32)
-    q_per_seq = num_rows // seq_lens.shape[0]
+    q_per_seq = num_rows // max(seq_lens.shape[0], 1)
     if q_per_seq == 1:  # one launch instead of five (a host plan pays each launch before its sync)
         return seq_lens.clamp_min(0).to(torch.int32)
     j = torch.arange(q_per_seq, device=seq_lens.device, dtype=torch.int32)
@@ -140,14 +170,31 @@ def compact_sparse(sparse_indices: Tensor, capacity: int) -> tuple[Tensor, Tenso
 
 def clamp_pages(block_table: Tensor, num_pages: int, out: Optional[Tensor] = None) -> Tensor:
     """The block table with every entry clamped into ``[0, num_pages)``: entries past a sequence's last
-    page may hold anything (-1 included); clamped, a kernel's stray read stays inside the cache."""
-    return torch.clamp(block_table, 0, num_pages - 1, out=out)
+    page may hold anything (-1 included); clamped, a kernel's stray read stays inside the cache. (A cache
+    of no pages gives 0s, never -1: such a call attends nothing and runs no kernel, see ``skips_empty_calls``.)"""
+    return torch.clamp(block_table, 0, max(num_pages - 1, 0), out=out)
 
 
 def kernel_lengths(lengths: Tensor) -> Tensor:
     """Lengths of at least 1: kernels that take a length per request cannot run (or fault on) 0; those
     rows see nothing by the contract and are finished by ``finish_empty_rows``."""
     return lengths.clamp_min(1)
+
+
+def skips_empty_calls(decode: Callable) -> Callable:
+    """For a backend's ``decode`` / ``decode_with_q_scale`` (self, then the contract's arguments): a call
+    that attends nothing by its static sizes returns out 0 and lse -inf (empty for B = 0) without
+    reaching ``decode``; the ops ``decode_op`` defines do the same. Reads shapes only: no device sync."""
+
+    @functools.wraps(decode)
+    def guarded(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                *rest):
+        if attends_nothing(q_nope, kv_cache, block_table, sparse_indices):
+            return nothing_attended(q_nope)
+        return decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                      *rest)
+
+    return guarded
 
 
 def finish_empty_rows(out: Tensor, lse: Tensor, counts: Tensor) -> None:

@@ -60,6 +60,7 @@ from mla_inductor.backends._common import (
     finish_empty_rows,
     PlanCache,
     kernel_lengths,
+    skips_empty_calls,
     sm,
     static_shape_reason,
     visible_key_counts,
@@ -313,7 +314,7 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
         empty_rows = bool((lens == 0).any())
     # A length-0 sequence is planned as length 1 (FlashInfer's zero-length work items are avoided); a fresh
     # pageable tensor, so plan()'s asynchronous upload of it cannot race a later plan.
-    kv_lens = torch.clamp_min(lens, 1)
+    kv_lens = kernel_lengths(lens)
     entry.wrapper.plan(
         entry.qo_indptr_host, entry.kv_indptr_host, kv_indices, kv_lens, key.num_heads, key.kv_lora_rank,
         key.rope_dim, key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
@@ -434,6 +435,7 @@ class FlashInferWrapperBackend(Backend):
     def plan_op(self):
         return self._plan_op
 
+    @skips_empty_calls
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
@@ -522,6 +524,7 @@ class FlashInferTableBackend(Backend):
     def plan_op(self):
         return self._prepare_op
 
+    @skips_empty_calls
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         plan = prepare_tables(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
         return self._run_fn(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,

@@ -83,6 +83,7 @@ from mla_inductor.backends._common import (
     decode_op,
     kernel_lengths,
     quantize_query_fp8,
+    skips_empty_calls,
     sm,
     visible_key_counts,
 )
@@ -421,7 +422,7 @@ def dense_slot_indices(block_table: Tensor, seq_lens: Tensor, page_size: int, nu
     of 64). Plain torch on the device, no host sync; entries past a sequence's length (garbage or -1 in the
     block table included) are never looked up as slots."""
     B, max_pages = block_table.shape
-    Q = num_rows // B
+    Q = num_rows // max(B, 1)  # B = 0: no rows
     capacity = max_pages * page_size
     K = capacity + (-capacity % TOPK_BLOCK)
     device = block_table.device
@@ -642,8 +643,9 @@ def _fake_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     T, H, _ = q_nope.shape
     # The schedule never depends on the query's dtype: an e4m3 query (dense_fp8's plan) is measured as bf16.
     q_dtype = torch.bfloat16 if q_nope.dtype.itemsize == 1 else q_nope.dtype
-    parts, width = metadata_shape(find_providers().for_mode(mode), mode, q_nope.device, int(H),
-                                  int(T // block_table.shape[0]), q_dtype, kv_cache.dtype)
+    q_per_seq = int(T // max(block_table.shape[0], 1)) or 1  # an empty batch (B = 0) plans as Q = 1
+    parts, width = metadata_shape(find_providers().for_mode(mode), mode, q_nope.device, int(H), q_per_seq,
+                                  q_dtype, kv_cache.dtype)
     return [
         q_nope.new_empty((parts, width), dtype=torch.int32),
         q_nope.new_empty((block_table.shape[0] + 1,), dtype=torch.int32),
@@ -675,7 +677,7 @@ PLAN_OP = decode_op("mla_flashmla::plan", plan_decode, returns="tensors", takes_
 DECODE_OP = decode_op("mla_flashmla::decode", run_decode)
 DECODE_OUT_OP = decode_op("mla_flashmla::decode_out", _decode_out, returns="out")
 DECODE_AND_PLAN_OP = decode_op(
-    "mla_flashmla::decode_and_plan", _decode_and_plan_list, returns="tensors", takes_plan=False,
+    "mla_flashmla::decode_and_plan", _decode_and_plan_list, returns="out_lse_plan", takes_plan=False,
     fake=lambda *args: list(empty_decode_outputs(args[0])) + _fake_plan(*args))
 
 _QUANTIZED_QUERY_SCHEMA = ("(Tensor q, Tensor q_descale, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
@@ -787,9 +789,11 @@ class FlashMLABackend(Backend):
     def quantized_query_op(self, problem: DecodeProblem):
         return QUANTIZED_QUERY_OP if decode_mode(problem.cache_format, problem.sparse) == "dense_fp8" else None
 
+    @skips_empty_calls
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
 
+    @skips_empty_calls
     def decode_with_q_scale(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                             sparse_indices, q_scale):
         return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,

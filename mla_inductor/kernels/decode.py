@@ -56,6 +56,17 @@ _LN2 = 0.6931471805599453
 if _HAVE_TRITON:
 
     @triton.jit
+    def _chunked_dot(a0, a1, a2, a3, a_rope, b0, b1, b2, b3, b_rope, DOT_PREC: tl.constexpr):
+        """The logits tile as a sum over the four latent chunks and the rope part, accumulated in fp32:
+        ``a0 @ b0 + a1 @ b1 + a2 @ b2 + a3 @ b3 + a_rope @ b_rope`` (q times K^T, or K times q^T when
+        the K tile is the A operand). Inlined into the caller."""
+        acc = tl.dot(a0, b0, input_precision=DOT_PREC)
+        acc = tl.dot(a1, b1, acc, input_precision=DOT_PREC)
+        acc = tl.dot(a2, b2, acc, input_precision=DOT_PREC)
+        acc = tl.dot(a3, b3, acc, input_precision=DOT_PREC)
+        return tl.dot(a_rope, b_rope, acc, input_precision=DOT_PREC)
+
+    @triton.jit
     def _mla_decode_kernel(
         QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
         OUT, LSE, POUT, PLSE,
@@ -237,11 +248,7 @@ if _HAVE_TRITON:
                     qkt += tl.dot(k3t, q3, input_precision=DOT_PREC) * s3[:, None]
                     qkt = tl.dot(kpt, qp, qkt, input_precision=DOT_PREC)
                 else:
-                    qkt = tl.dot(k0t, q0, input_precision=DOT_PREC)
-                    qkt = tl.dot(k1t, q1, qkt, input_precision=DOT_PREC)
-                    qkt = tl.dot(k2t, q2, qkt, input_precision=DOT_PREC)
-                    qkt = tl.dot(k3t, q3, qkt, input_precision=DOT_PREC)
-                    qkt = tl.dot(kpt, qp, qkt, input_precision=DOT_PREC)
+                    qkt = _chunked_dot(k0t, k1t, k2t, k3t, kpt, q0, q1, q2, q3, qp, DOT_PREC)
                 qk = tl.trans(qkt)
             elif KV_MODE == 2:
                 qk = tl.dot(q0, k0t, input_precision=DOT_PREC) * s0[None, :]
@@ -250,11 +257,7 @@ if _HAVE_TRITON:
                 qk += tl.dot(q3, k3t, input_precision=DOT_PREC) * s3[None, :]
                 qk = tl.dot(qp, kpt, qk, input_precision=DOT_PREC)
             else:
-                qk = tl.dot(q0, k0t, input_precision=DOT_PREC)
-                qk = tl.dot(q1, k1t, qk, input_precision=DOT_PREC)
-                qk = tl.dot(q2, k2t, qk, input_precision=DOT_PREC)
-                qk = tl.dot(q3, k3t, qk, input_precision=DOT_PREC)
-                qk = tl.dot(qp, kpt, qk, input_precision=DOT_PREC)
+                qk = _chunked_dot(q0, q1, q2, q3, qp, k0t, k1t, k2t, k3t, kpt, DOT_PREC)
             qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(qk, 1))
