@@ -301,14 +301,21 @@ class PagedMLACache(Cache):
         if link is None:
             raise ValueError(f"PagedMLACache.update: layer {layer_idx} is not an MLA attention layer of the model "
                              f"this cache was made for (layers {list(self._links)})")
+        if link.cache is not None:
+            raise RuntimeError(f"PagedMLACache.update: layer {layer_idx}'s previous latents were never attended "
+                               "(an earlier forward failed part-way?); call cache.reset() and start again")
+        if layer_idx == self._first_layer:  # every layer of a forward has the same batch and dims (_check_dims)
+            self._check_forward(link, key_states, value_states)
+            self._begin_forward(key_states.shape[2])
+        link.cache, link.kv_c, link.k_pe = self, key_states, value_states
+        return key_states, value_states
+
+    def _check_forward(self, link: _LayerLink, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if link.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"PagedMLACache needs the model's attention implementation {ATTN_IMPLEMENTATION!r}, got "
                 f"{link.config._attn_implementation!r}: call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
             )
-        if link.cache is not None:
-            raise RuntimeError(f"PagedMLACache.update: layer {layer_idx}'s previous latents were never attended "
-                               "(an earlier forward failed part-way?); call cache.reset() and start again")
         B, _, _, L = key_states.shape
         if B != self.batch_size:
             raise ValueError(f"PagedMLACache: the forward has batch {B}, the cache was made for {self.batch_size} "
@@ -316,10 +323,6 @@ class PagedMLACache(Cache):
         if L != self.kv_lora_rank or value_states.shape[-1] != self.rope_dim:
             raise ValueError(f"PagedMLACache.update expects latents [B, 1, Q, {self.kv_lora_rank}] and rope keys "
                              f"[B, 1, Q, {self.rope_dim}], got {tuple(key_states.shape)} and {tuple(value_states.shape)}")
-        if layer_idx == self._first_layer:
-            self._begin_forward(key_states.shape[2])
-        link.cache, link.kv_c, link.k_pe = self, key_states, value_states
-        return key_states, value_states
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """DSA: store the new columns' indexer keys [B, S, D]; returns all [B, max_seq_len, D] (columns not
