@@ -23,9 +23,17 @@ with everything else per call); best of ``--repeats``. Its HBM floor is the byte
 weight once, the batch's embedding rows, each layer's whole KV cache) at the device-to-device copy
 bandwidth measured in the same run (read + write bytes of a 2 GiB copy per second).
 
+Where a ``generate()`` step's host time goes: after timing ``generate-mla``, one more run of ``--steps``
+steps under cProfile gives the time per step of each part of HF's loop (preparing the inputs, our mask
+function inside it, the compiled forward's call, HF's bookkeeping, the stop check). On CUDA the stop
+check reads a flag from the device every step: its time is the device time the host waited for, and
+everything before the compiled call is host time the device waits for. cProfile slows Python down: the
+parts are for comparing with each other, not with the ms/step above.
+
 Prefill rows: one forward of a ``--prefill-len``-token prompt (batch ``--prefill-batch``): ours
 (``prefill-mla``: HF's sdpa on keys/values expanded from the prompt's own latents, the latents written
-into a fresh paged cache) against HF's sdpa with a DynamicCache (``prefill-hf``); median of ``--repeats``.
+into a fresh paged cache) against HF's sdpa with a DynamicCache (``prefill-hf``); the two are timed in
+turn (hf, ours, hf, ours, ...) so that a drifting clock favours neither; median of ``--prefill-repeats``.
 
 Prints progress and a markdown table; ``--out DIR`` writes bench_generate.md and .json. A row that fails
 prints its error and the run goes on.
@@ -34,7 +42,9 @@ prints its error and the run goes on.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import statistics
 import time
 import traceback
@@ -150,7 +160,39 @@ def bench_generate_mla(model, cache, args, device) -> Row:
     row.ms = decode_ms(run, args.steps, args.repeats, device)
     new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
     row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
+    row.extra["host_us_per_step"] = host_time_per_step(run, args.steps, device)
     return row
+
+
+# (part, file the function is in, function name): the parts of HF's decode loop and ours inside them.
+STEP_PARTS = (
+    ("the whole step (generate's first forward shared out)", "generation/utils.py", "_sample"),
+    ("prepare_inputs_for_generation (HF)", "generation/utils.py", "prepare_inputs_for_generation"),
+    ("- its create_masks_for_generate (HF)", "masking_utils.py", "create_masks_for_generate"),
+    ("- - our mask function", "mla_inductor/_hf.py", "mla_attention_mask"),
+    ("the compiled forward's call (guards, CUDA-graph replay; 0 uncompiled)", "torch/_dynamo/eval_frame.py", "compile_wrapper"),
+    ("_update_model_kwargs_for_generation (HF)", "generation/utils.py", "_update_model_kwargs_for_generation"),
+    ("logits processors (HF)", "generation/logits_process.py", "__call__"),
+    ("stopping criteria (HF)", "generation/stopping_criteria.py", "__call__"),
+    ("stop check (HF; on CUDA it waits for the device)", "generation/utils.py", "__call__"),
+)
+
+
+def host_time_per_step(run_steps, steps: int, device) -> dict[str, float]:
+    """µs per decode step of each part of ``STEP_PARTS`` over one ``run_steps(2 + steps)`` under cProfile."""
+    profile = cProfile.Profile()
+    sync(device)
+    profile.enable()
+    run_steps(2 + steps)
+    sync(device)
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive calls, own s, cumulative s, ...)
+    parts = {}
+    for part, file, function in STEP_PARTS:
+        seconds = sum(entry[3] for (f, _, name), entry in stats.items()
+                      if name == function and file in f.replace("\\", "/"))
+        parts[part] = 1e6 * seconds / (2 + steps)
+    return parts
 
 
 def selected_kernel(model, cache) -> str:
@@ -217,33 +259,39 @@ def bench_generate_hf(model, args, device) -> Row:
 # ---------------------------------------------------------------------------------------------------- prefill
 
 
-def bench_prefill(model, args, device, ours: bool) -> Row:
+def bench_prefill(model, args, device) -> list[Row]:
+    """Both prefill rows, timed in turn (hf, ours, hf, ours, ...): a clock that drifts over the run (a GPU
+    warming up) then favours neither."""
     from transformers import DynamicCache
 
     from mla_inductor import hf
 
-    name = "prefill-mla" if ours else "prefill-hf"
-    what = ("mla_inductor attention: sdpa on the prompt's expanded latents, latents into a PagedMLACache" if ours
-            else "sdpa attention, DynamicCache")
-    row = Row(name, f"{what}, {args.prefill_len}-token prompt", args.prefill_batch)
-    model.set_attn_implementation(hf.register() if ours else "sdpa")
+    rows = {"prefill-hf": Row("prefill-hf", f"sdpa attention, DynamicCache, {args.prefill_len}-token prompt",
+                              args.prefill_batch),
+            "prefill-mla": Row("prefill-mla", "mla_inductor attention: sdpa on the prompt's expanded latents, latents "
+                               f"into a PagedMLACache, {args.prefill_len}-token prompt", args.prefill_batch)}
     ids = random_ids(args.prefill_batch, args.prefill_len, model.config.vocab_size, device)
-    cache = (hf.PagedMLACache(model, batch_size=args.prefill_batch, max_seq_len=args.prefill_len, fmt=args.fmt)
-             if ours else None)
+    cache = hf.PagedMLACache(model, batch_size=args.prefill_batch, max_seq_len=args.prefill_len, fmt=args.fmt)
+    implementation = {"prefill-hf": "sdpa", "prefill-mla": hf.register()}
 
-    def forward():
-        if ours:
+    def forward(name):
+        if name == "prefill-mla":
             cache.reset()
-        past = cache if ours else DynamicCache(config=model.config)
+        past = cache if name == "prefill-mla" else DynamicCache(config=model.config)
         model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
 
+    times = {name: [] for name in rows}
     with torch.no_grad():
-        for _ in range(2):
-            wall_s(forward, device)
-        times = [wall_s(forward, device) for _ in range(max(args.repeats, 3))]
-    row.ms = 1e3 * statistics.median(times)
-    row.tokens_per_s = args.prefill_batch * args.prefill_len / (row.ms / 1e3)
-    return row
+        for turn in range(2 + max(args.prefill_repeats, 3)):
+            for name in rows:
+                model.set_attn_implementation(implementation[name])
+                seconds = wall_s(lambda: forward(name), device)
+                if turn >= 2:  # two warm-up turns
+                    times[name].append(seconds)
+    for name, row in rows.items():
+        row.ms = 1e3 * statistics.median(times[name])
+        row.tokens_per_s = args.prefill_batch * args.prefill_len / (row.ms / 1e3)
+    return list(rows.values())
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -289,7 +337,7 @@ def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) 
         f"Decode: batch {args.batch}, context {args.context}, {args.fmt} cache; ms/step from runs of 2 and "
         f"2 + {args.steps} steps ({args.hf_steps} for generate-hf), best of {args.repeats}. HBM floor: bytes a "
         f"step must read at the measured copy bandwidth {bandwidth:.0f} GB/s. Prefill: {args.prefill_len}-token "
-        f"prompt, batch {args.prefill_batch}, median.",
+        f"prompt, batch {args.prefill_batch}, the two rows timed in turn, median of {args.prefill_repeats}.",
         "",
     ]
     table = []
@@ -308,6 +356,11 @@ def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) 
     for key, value in derived.items():
         shown = f"{value:.2f}" if value is not None else "n/a"
         lines.append(f"| {key} | {shown} | >= {TARGETS[key]} |")
+    host = next((r.extra["host_us_per_step"] for r in rows if "host_us_per_step" in r.extra), None)
+    if host:
+        lines += ["", f"Where a generate-mla step's host time goes (cProfile over 2 + {args.steps} steps, µs per step; "
+                  "the profiler slows Python down, so compare the parts with each other):", ""]
+        lines.append(markdown_table(["part", "µs per step"], [{"part": k, "µs per step": v} for k, v in host.items()]))
     return "\n".join(lines)
 
 
@@ -325,6 +378,7 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-len", type=int, default=4096)
     p.add_argument("--prefill-batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-repeats", type=int, default=10, help="timed forwards of each prefill row (median)")
     p.add_argument("--rows", nargs="+", default=["prefill", "generate-mla", "loop-mla", "generate-hf"],
                    help="which rows to run (prefill = both prefill rows)")
     p.add_argument("--small", action="store_true", help="tiny model and context: a smoke run (CPU allowed)")
@@ -334,7 +388,7 @@ def main(argv=None) -> None:
     if args.small:
         args.layers, args.intermediate, args.vocab = 2, 64, 256
         args.batch, args.context, args.steps, args.hf_steps = min(args.batch, 2), min(args.context, 64), 2, 2
-        args.prefill_len, args.repeats = min(args.prefill_len, 64), 1
+        args.prefill_len, args.repeats, args.prefill_repeats = min(args.prefill_len, 64), 1, 3
     elif device.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit("bench_generate.py times decode on a CUDA GPU and needs a CUDA GPU; torch.cuda.is_available() "
                          f"is {torch.cuda.is_available()} here (torch {torch.__version__}). Nothing was run. "
@@ -355,9 +409,10 @@ def main(argv=None) -> None:
     rows: list[Row] = []
     with torch.no_grad():
         if "prefill" in args.rows:
-            for ours in (False, True):
-                progress(f"[prefill-{'mla' if ours else 'hf'}] {args.prefill_len}-token prompt, batch {args.prefill_batch}")
-                rows.append(run_row(bench_prefill, model, args, device, ours))
+            progress(f"[prefill-hf, prefill-mla] {args.prefill_len}-token prompt, batch {args.prefill_batch}, "
+                     f"timed in turn")
+            prefill_rows = run_row(bench_prefill, model, args, device)
+            rows.extend(prefill_rows if isinstance(prefill_rows, list) else [prefill_rows])
         cache = None
         if {"generate-mla", "loop-mla"} & set(args.rows):
             progress(f"filling a {args.fmt} PagedMLACache: batch {args.batch}, context {args.context}")

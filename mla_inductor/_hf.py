@@ -38,7 +38,7 @@ import transformers
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from mla_inductor._compat import mark_static_address
@@ -170,6 +170,11 @@ class _PagedLayer:
     is_initialized = True
 
 
+def _paged_attribute(name: str, doc: str) -> property:
+    """A read-only property of ``PagedMLACache`` that is the paged latent cache's attribute ``name``."""
+    return property(lambda self: getattr(self._paged, name), doc=doc)
+
+
 class PagedMLACache(Cache):
     """A transformers ``Cache`` over a paged MLA latent cache, for ``model.generate(past_key_values=...)``.
 
@@ -227,9 +232,17 @@ class PagedMLACache(Cache):
         self._columns = torch.zeros((), dtype=torch.int64, device=weight.device)
         mark_static_address(self._columns)
         self._links = {i: _link_of(m) for i, m in modules.items()}
-        self._first_layer = min(modules)
+        self._first_layer, self._last_layer = min(modules), max(modules)
         self._has_tokens = False  # host-side: the next forward is a prompt on an empty cache when False
         self._prompt_forward = False  # the forward in progress runs ordinary attention (set by its first layer)
+        # Columns seen as the host knows them without reading the device (None once a compiled step has run:
+        # its count lives in _columns only). It bounds every sequence's length, so the capacity checks of
+        # eager forwards read the device only when this bound could exceed max_seq_len.
+        self._host_columns: Optional[int] = 0
+        # The new tokens' cache slots [B*Q] int32, computed by the forward's first MLA layer for all of them.
+        self._new_slots: Optional[torch.Tensor] = None
+        # What HF's mask helpers ask of every cache; our layers never change, so the answers are computed once.
+        self._layer_flags = ([False] * num_layers, [False] * num_layers, [False] * num_layers)
         self.sparse = support.sparse
         self._indexer_keys = {i: self._indexer_buffer(m, batch_size, max_seq_len, weight.dtype)
                               for i, m in modules.items() if getattr(m, "indexer", None) is not None}
@@ -242,42 +255,15 @@ class PagedMLACache(Cache):
         return keys
 
     # ---------------------------------------------------------------- what the cache is
-    @property
-    def kv_caches(self) -> list[torch.Tensor]:
-        return self._paged.kv_caches
-
-    @property
-    def block_table(self) -> torch.Tensor:
-        return self._paged.block_table
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        """[B] int32 on the device: real tokens held per sequence."""
-        return self._paged.seq_lens
-
-    @property
-    def kv_scale(self) -> torch.Tensor:
-        return self._paged.kv_scale
-
-    @property
-    def format(self) -> str:
-        return self._paged.format
-
-    @property
-    def page_size(self) -> int:
-        return self._paged.page_size
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self._paged.kv_lora_rank
-
-    @property
-    def rope_dim(self) -> int:
-        return self._paged.rope_dim
-
-    @property
-    def batch_size(self) -> int:
-        return self._paged.batch_size
+    kv_caches = _paged_attribute("kv_caches", "list of [P, page_size, width] caches, one per layer")
+    block_table = _paged_attribute("block_table", "[B, max_pages] int32: the pages of each sequence")
+    seq_lens = _paged_attribute("seq_lens", "[B] int32 on the device: real tokens held per sequence")
+    kv_scale = _paged_attribute("kv_scale", "[1] float32: the fp8 caches' dequantisation scale (1 otherwise)")
+    format = _paged_attribute("format", "the cache format: fp32, fp16, bf16, fp8_e4m3 or fp8_ds_mla")
+    page_size = _paged_attribute("page_size", "tokens per page")
+    kv_lora_rank = _paged_attribute("kv_lora_rank", "L: the latent's width")
+    rope_dim = _paged_attribute("rope_dim", "R: the rope key's width")
+    batch_size = _paged_attribute("batch_size", "B: the sequences the cache holds")
 
     @property
     def is_compileable(self) -> bool:
@@ -291,6 +277,18 @@ class PagedMLACache(Cache):
     def is_initialized(self) -> bool:
         return True
 
+    @property
+    def is_sliding(self) -> list[bool]:
+        return self._layer_flags[0]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return self._layer_flags[1]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return self._layer_flags[2]
+
     def __repr__(self) -> str:
         return (f"PagedMLACache(batch_size={self.batch_size}, max_seq_len={self.max_seq_len}, format={self.format!r}, "
                 f"page_size={self.page_size}, layers={len(self._links)})")
@@ -303,14 +301,21 @@ class PagedMLACache(Cache):
         if link is None:
             raise ValueError(f"PagedMLACache.update: layer {layer_idx} is not an MLA attention layer of the model "
                              f"this cache was made for (layers {list(self._links)})")
+        if link.cache is not None:
+            raise RuntimeError(f"PagedMLACache.update: layer {layer_idx}'s previous latents were never attended "
+                               "(an earlier forward failed part-way?); call cache.reset() and start again")
+        if layer_idx == self._first_layer:  # every layer of a forward has the same batch and dims (_check_dims)
+            self._check_forward(link, key_states, value_states)
+            self._begin_forward(key_states.shape[2])
+        link.cache, link.kv_c, link.k_pe = self, key_states, value_states
+        return key_states, value_states
+
+    def _check_forward(self, link: _LayerLink, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if link.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"PagedMLACache needs the model's attention implementation {ATTN_IMPLEMENTATION!r}, got "
                 f"{link.config._attn_implementation!r}: call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
             )
-        if link.cache is not None:
-            raise RuntimeError(f"PagedMLACache.update: layer {layer_idx}'s previous latents were never attended "
-                               "(an earlier forward failed part-way?); call cache.reset() and start again")
         B, _, _, L = key_states.shape
         if B != self.batch_size:
             raise ValueError(f"PagedMLACache: the forward has batch {B}, the cache was made for {self.batch_size} "
@@ -318,10 +323,6 @@ class PagedMLACache(Cache):
         if L != self.kv_lora_rank or value_states.shape[-1] != self.rope_dim:
             raise ValueError(f"PagedMLACache.update expects latents [B, 1, Q, {self.kv_lora_rank}] and rope keys "
                              f"[B, 1, Q, {self.rope_dim}], got {tuple(key_states.shape)} and {tuple(value_states.shape)}")
-        if layer_idx == self._first_layer:
-            self._begin_forward(key_states.shape[2])
-        link.cache, link.kv_c, link.k_pe = self, key_states, value_states
-        return key_states, value_states
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """DSA: store the new columns' indexer keys [B, S, D]; returns all [B, max_seq_len, D] (columns not
@@ -352,7 +353,9 @@ class PagedMLACache(Cache):
         """Forget every sequence (the pages stay allocated; stale indexer keys sit in masked columns)."""
         self.seq_lens.zero_()
         self._columns.zero_()
+        self._host_columns = 0
         self._has_tokens = False
+        self._new_slots = None
         for link in self._links.values():
             link.clear()
 
@@ -366,6 +369,8 @@ class PagedMLACache(Cache):
         # number of tokens (all it has, at most).
         self.seq_lens.sub_(-tokens_to_remove).clamp_(min=0)
         self._columns.sub_(-tokens_to_remove).clamp_(min=0)
+        if self._host_columns is not None:
+            self._host_columns = max(self._host_columns + tokens_to_remove, 0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence i continues sequence ``beam_idx[i]`` (copies the pages)."""
@@ -391,6 +396,7 @@ class PagedMLACache(Cache):
             raise ValueError(f"num_tokens must be in [0, max_seq_len={self.max_seq_len}], got {num_tokens}")
         self.seq_lens.fill_(num_tokens)
         self._columns.fill_(num_tokens)
+        self._host_columns = num_tokens
         self._has_tokens = num_tokens > 0
 
     def slot_mapping(self, positions: torch.Tensor) -> torch.Tensor:
@@ -412,47 +418,74 @@ class PagedMLACache(Cache):
     def _begin_forward(self, num_columns: int) -> None:
         """At the forward's first MLA layer (in ``update``): count the new columns and decide prompt vs
         decode attention for every layer of this forward."""
-        if self.sparse and not torch.compiler.is_compiling():
-            columns = int(self._columns) + num_columns
+        if torch.compiler.is_compiling():
+            self._host_columns = None  # the compiled step counts on the device only
+        elif self.sparse:
+            columns = self._columns_seen() + num_columns
             if columns > self.max_seq_len:
                 raise ValueError(f"PagedMLACache: {columns} columns (padding included) would exceed max_seq_len="
                                  f"{self.max_seq_len}; make the cache with a larger max_seq_len")
         self._columns.add_(num_columns)
+        if self._host_columns is not None:
+            self._host_columns += num_columns
         self._prompt_forward = not self._has_tokens
         self._has_tokens = True
 
-    def _count_real_tokens(self, real: torch.Tensor) -> None:
-        """At the forward's first MLA layer (in the attention): add each sequence's real new tokens."""
-        new_lens = self.seq_lens + real.sum(-1, dtype=torch.int32)
-        if not torch.compiler.is_compiling():
-            longest = int(new_lens.max())
-            if longest > self.max_seq_len:
-                raise ValueError(f"PagedMLACache: a sequence would hold {longest} tokens, more than max_seq_len="
-                                 f"{self.max_seq_len}; make the cache with a larger max_seq_len")
-        self.seq_lens.copy_(new_lens)
+    def _columns_seen(self) -> int:
+        """Columns seen before this forward, from the host's count when it has one (no device read)."""
+        return int(self._columns) if self._host_columns is None else self._host_columns
 
-    def _append(self, layer: int, real: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Write the real new tokens of one layer. Left padding: sequence b's real new tokens are its last
-        ones, at positions seq_lens[b] - (its real count) ... seq_lens[b] - 1."""
-        B, _, Q, L = kv_c.shape
-        start = self.seq_lens - real.sum(-1, dtype=torch.int32)  # lengths before this forward
-        positions = start[:, None].long() + real.long().cumsum(-1) - 1
-        slots = self._slots(positions, real)
-        torch.ops.mla.cache_append(self.kv_caches[layer], kv_c.reshape(B * Q, L), k_pe.reshape(B * Q, -1),
-                                   slots, self.kv_scale)
+    def _begin_attention(self, attention_mask: Optional[torch.Tensor], B: int, Q: int, device) -> None:
+        """At the forward's first MLA layer (in the attention): the slots of the new tokens (every layer writes
+        its latents there) and each sequence's real new tokens added to its length.
 
-    def _real_new_tokens(self, attention_mask: Optional[torch.Tensor], B: int, Q: int, device) -> torch.Tensor:
-        """[B, Q] bool: which new tokens are real. A token attends to itself unless it is padding, so this is
-        the mask's diagonal (dense: the mask covers the new tokens; DSA: their columns of all of them)."""
+        Left padding: sequence b's real new tokens are its last ones, at positions seq_lens[b] ...
+        seq_lens[b] + (its real count) - 1; pads get slot -1 (not stored)."""
+        real = self._real_new_tokens(attention_mask, B, Q)
+        self._check_capacity(real, Q)
+        if real is None:  # every new token is real: no mask to read
+            positions = self.seq_lens[:, None].long() + torch.arange(Q, device=device)
+            self.seq_lens.add_(Q)
+        else:
+            positions = self.seq_lens[:, None].long() + real.long().cumsum(-1) - 1
+            self.seq_lens.add_(real.sum(-1, dtype=torch.int32))
+        self._new_slots = self._slots(positions, real)
+
+    def _check_capacity(self, real: Optional[torch.Tensor], Q: int) -> None:
+        """Eager forwards: no sequence may outgrow max_seq_len. No sequence holds more tokens than the columns
+        seen, so the device is read only when that bound does not settle it (compiled steps skip the check:
+        their slots are clamped into the block table)."""
+        if torch.compiler.is_compiling():
+            return
+        if self._host_columns is not None and self._host_columns <= self.max_seq_len:
+            return  # _begin_forward already counted this forward's columns
+        new_lens = self.seq_lens + (Q if real is None else real.sum(-1, dtype=torch.int32))
+        longest = int(new_lens.max())
+        if longest > self.max_seq_len:
+            raise ValueError(f"PagedMLACache: a sequence would hold {longest} tokens, more than max_seq_len="
+                             f"{self.max_seq_len}; make the cache with a larger max_seq_len")
+
+    def _take_new_slots(self, layer_idx: int) -> torch.Tensor:
+        slots = self._new_slots
+        if layer_idx == self._last_layer:
+            self._new_slots = None  # nothing of this forward outlives it
+        return slots
+
+    def _real_new_tokens(self, attention_mask: Optional[torch.Tensor], B: int, Q: int) -> Optional[torch.Tensor]:
+        """[B, Q] bool: which new tokens are real (None: all of them). A token attends to itself unless it is
+        padding, so this is the mask's diagonal (dense: the mask covers the new tokens; DSA: their columns of
+        all of them)."""
         if attention_mask is None:
-            return torch.ones(B, Q, dtype=torch.bool, device=device)
+            return None
         kv = self.max_seq_len if self.sparse else Q
         if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (Q, kv):
             raise ValueError(
                 f"mla_inductor attention with a PagedMLACache expects the boolean mask [B, 1, Q={Q}, {kv}] of the "
                 f"'{ATTN_IMPLEMENTATION}' mask function, got {attention_mask.dtype} {tuple(attention_mask.shape)}"
             )
-        columns = (self._columns - Q + torch.arange(Q, device=device)) if self.sparse else torch.arange(Q, device=device)
+        if not self.sparse:
+            return attention_mask[:, 0].diagonal(dim1=-2, dim2=-1).expand(B, Q)
+        columns = self._columns - Q + torch.arange(Q, device=attention_mask.device)
         return attention_mask[:, 0].gather(-1, columns.view(1, Q, 1).expand(attention_mask.shape[0], Q, 1)).view(-1, Q).expand(B, Q)
 
     def _sparse_slots(self, indices: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -471,10 +504,11 @@ class PagedMLACache(Cache):
         ``indices`` [B, Q, K]: a DSA layer's top-k columns. Returns ([B, Q, H, v], None) like HF's
         attention functions."""
         B, _, Q, _ = query.shape
-        real = self._real_new_tokens(attention_mask, B, Q, query.device)
-        if module.layer_idx == self._first_layer:
-            self._count_real_tokens(real)
-        self._append(module.layer_idx, real, kv_c, k_pe)
+        layer = module.layer_idx
+        if layer == self._first_layer:
+            self._begin_attention(attention_mask, B, Q, query.device)
+        torch.ops.mla.cache_append(self.kv_caches[layer], kv_c.reshape(B * Q, -1), k_pe.reshape(B * Q, -1),
+                                   self._take_new_slots(layer), self.kv_scale)
         if self._prompt_forward:
             if self.sparse and attention_mask is not None:
                 attention_mask = attention_mask[..., :Q]  # the prompt fills the first columns
@@ -485,7 +519,7 @@ class PagedMLACache(Cache):
 
     def _absorbed_attention(self, module, query: torch.Tensor, scaling: float,
                             sparse_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """mla.paged_decode on the absorbed query: W_UK folded into the query, W_UV applied to the output.
+        """The decode on the absorbed query: W_UK folded into the query, W_UV applied to the output.
 
         kv_b_proj.weight [H*(nope+v), L] holds, per head, nope rows of W_UK then v rows of W_UV; both are
         used as views of the live weight (nothing copied, nothing stale after model.to())."""
@@ -496,10 +530,15 @@ class PagedMLACache(Cache):
         q_nope = query[..., :nope].transpose(0, 1).reshape(H, T, nope)
         q_latent = torch.bmm(q_nope, w[:, :nope]).transpose(0, 1)  # [T, H, L], last dim contiguous
         q_pe = query[..., nope:].transpose(1, 2).reshape(T, H, -1)
-        out = torch.ops.mla.paged_decode(q_latent, q_pe, self.kv_caches[module.layer_idx], self.block_table,
-                                         self.seq_lens, scaling, self.kv_scale, sparse_indices)  # [T, H, L]
+        out = self._decode(q_latent, q_pe, module.layer_idx, scaling, sparse_indices)  # [T, H, L]
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]
         return out.transpose(0, 1).reshape(B, Q, H, v)
+
+    def _decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_idx: int, scaling: float,
+                sparse_indices: Optional[torch.Tensor]) -> torch.Tensor:
+        """The attention over the cache of one layer: absorbed query [T, H, L] + rope query [T, H, R] -> [T, H, L]."""
+        return torch.ops.mla.paged_decode(q_latent, q_pe, self.kv_caches[layer_idx], self.block_table,
+                                          self.seq_lens, scaling, self.kv_scale, sparse_indices)
 
 
 def _with_top_k(attention_mask: Optional[torch.Tensor], indices: Optional[torch.Tensor], B: int, Q: int):
@@ -538,7 +577,16 @@ def mla_attention(module, query, key, value, attention_mask, dropout: float = 0.
 def mla_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
     """``AttentionMaskInterface`` function ``"mla_inductor"``: sdpa's boolean mask. A ``PagedMLACache`` asks
     for a mask over the new tokens only (``get_mask_sizes`` = (Q, 0)); the 2D padding mask covers every
-    column seen, so its last Q columns are the ones that matter."""
+    column seen, so its last Q columns are the ones that matter.
+
+    A decode step (one new token, a mask of one column) needs no mask building: the token sees only itself
+    (the cache's tokens are never masked), so the mask is its padding column, copied (``generate`` builds it
+    outside the compiled step at every step, and a view would change strides as the 2D mask grows), or
+    None without a padding mask."""
+    if q_length == 1 and kv_length == 1 and kv_offset == 0 and kwargs.get("mask_function") in (None, causal_mask_function):
+        if attention_mask is None:
+            return None
+        return attention_mask[:, -1].to(torch.bool).contiguous().view(batch_size, 1, 1, 1)
     if attention_mask is not None and kv_length == q_length and kv_offset == 0 and attention_mask.shape[-1] > q_length:
         attention_mask = attention_mask[:, -q_length:]
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,

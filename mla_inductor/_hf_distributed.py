@@ -76,18 +76,9 @@ class DCPMLACache(PagedMLACache):
         # The base class's slots address pages of page_size * N tokens; this rank stores page_size of them.
         return self.dcp.layout.local_slots(super()._slots(positions, real), self.local_page_size)
 
-    def _absorbed_attention(self, module, query: torch.Tensor, scaling: float,
-                            sparse_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The base class's absorbed attention (W_UK folded into the query, W_UV applied to the output) with
-        ``dcp_decode`` in place of ``mla.paged_decode``: query [B, h, Q, nope+R] of this rank's h heads."""
-        B, H, Q, _ = query.shape
-        nope, v, L = module.qk_nope_head_dim, module.v_head_dim, module.kv_lora_rank
-        T = B * Q
-        w = module.kv_b_proj.weight.view(H, nope + v, L)
-        q_nope = query[..., :nope].transpose(0, 1).reshape(H, T, nope)
-        q_latent = torch.bmm(q_nope, w[:, :nope]).transpose(0, 1)  # [T, H, L]
-        q_pe = query[..., nope:].transpose(1, 2).reshape(T, H, -1)
-        out = dcp_decode(q_latent, q_pe, self.kv_caches[module.layer_idx], self.block_table, self.seq_lens, scaling,
-                         self.kv_scale, self.dcp)  # [T, H, L]
-        out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]
-        return out.transpose(0, 1).reshape(B, Q, H, v)
+    def _decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_idx: int, scaling: float,
+                sparse_indices: Optional[torch.Tensor]) -> torch.Tensor:
+        """``dcp_decode`` in place of ``mla.paged_decode``: the absorbed query [T, h, L] of this rank's h heads
+        gathered over the group, the local decode, the exchange and merge."""
+        return dcp_decode(q_latent, q_pe, self.kv_caches[layer_idx], self.block_table, self.seq_lens, scaling,
+                          self.kv_scale, self.dcp)

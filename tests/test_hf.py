@@ -237,6 +237,97 @@ def test_no_forward_is_replaced_and_no_hook_added():
         assert (dict(m._forward_hooks), dict(m._forward_pre_hooks)) == hooks[name], f"{name}: a hook was added"
 
 
+# ---------------------------------------------------------------------------------------------- host work per step
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+def count_host_reads_by_our_hf_code(monkeypatch) -> Counter:
+    """Counts, by line, the tensor -> host reads (each a device sync on GPU) whose innermost mla_inductor frame
+    is in the HF integration (mla_inductor/_hf*.py); the op's own CPU value checks are not counted."""
+    reads = Counter()
+    package = Path(hf.__file__).parent
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and Path(frame.f_code.co_filename).parent != package:
+                frame = frame.f_back
+            if frame is not None and Path(frame.f_code.co_filename).name.startswith("_hf"):
+                reads[f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {name}"] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in HOST_READS:
+        counting(name)
+    return reads
+
+
+def test_decode_steps_read_nothing_from_the_device_and_build_no_mask(monkeypatch):
+    """Per decode step of generate(), our cache, mask function and attention read no tensor on the host and
+    build no mask (sdpa_mask): 4 and 12 new tokens cost the same reads and mask builds (the prompt's)."""
+    from mla_inductor import _hf
+
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=10)
+    want = hf_generate(model, ids, mask, 12)
+    cache = use_mla(model, batch=4)
+    built = []
+    monkeypatch.setattr(_hf, "sdpa_mask", lambda **kw: built.append(kw["q_length"]) or transformers.masking_utils.sdpa_mask(**kw))
+    reads = count_host_reads_by_our_hf_code(monkeypatch)
+
+    def run(n):
+        cache.reset()
+        reads.clear(), built.clear()
+        out = hf_generate(model, ids, mask, n, past_key_values=cache)
+        return out, dict(reads), list(built)
+
+    _, reads_4, built_4 = run(4)
+    got, reads_12, built_12 = run(12)
+    assert torch.equal(got, want)
+    assert reads_12 == reads_4, f"host reads that grow with the steps: {reads_12} vs {reads_4}"
+    assert built_12 == built_4 == [PROMPT_LEN], (built_4, built_12)
+
+
+def test_own_decode_loop_reads_nothing_from_the_device(monkeypatch):
+    """decode_one_token (eager): no host read in our code at all, and no mask (the forward has none)."""
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=11)
+    cache = use_mla(model, batch=4)
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        reads = count_host_reads_by_our_hf_code(monkeypatch)
+        for _ in range(3):
+            token = hf.decode_one_token(model, token, cache).argmax(-1)
+    assert not reads, dict(reads)
+
+
+def test_capacity_is_still_checked_without_reading_the_device_each_step():
+    """The host-side bound (columns seen) lets steps skip the device read; past it the device is read and a
+    sequence that would outgrow max_seq_len is refused, in a chunk and in a step."""
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=12)
+    cache = use_mla(model, batch=4, max_seq_len=PROMPT_LEN + 2)
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        for _ in range(2):  # row 0 (no padding) fills its PROMPT_LEN + 2 tokens
+            token = hf.decode_one_token(model, token, cache).argmax(-1)
+        assert cache.seq_lens.tolist() == (mask.sum(-1) + 2).tolist()
+        with pytest.raises(ValueError, match="more than max_seq_len"):
+            hf.decode_one_token(model, token, cache)
+    cache.reset()
+    with torch.no_grad(), pytest.raises(ValueError, match="more than max_seq_len"):
+        hf.prefill(model, torch.cat([ids, ids], 1), torch.cat([mask, mask], 1), cache=cache)
+    cache.reset()  # padding columns do not count: rows 1-3 of a padded chunk fit where the bound says no
+    with torch.no_grad():
+        hf.prefill(model, ids[1:2].repeat(4, 1), mask[1:2].repeat(4, 1), cache=cache)
+        hf.prefill(model, ids[1:2, -3:].repeat(4, 1), mask[1:2, -3:].repeat(4, 1), cache=cache)
+    assert cache.seq_lens.tolist() == [int(mask[1].sum()) + 3] * 4
+
+
 # ---------------------------------------------------------------------------------------------- compiled
 
 
@@ -249,8 +340,12 @@ def test_generate_compiles_its_decode_step_on_our_cache():
     config = transformers.CompileConfig(fullgraph=True, mode="default")
     config._compile_all_devices = True  # generate compiles only on accelerators unless told
     cache = use_mla(model, batch=4)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = hf_generate(model, ids, mask, 12, past_key_values=cache, compile_config=config)
     assert torch.equal(got, want)
+    # One graph for the 11 decode steps: nothing of ours (the mask, the cache's state) changes a guard from
+    # one step to the next (the prompt's forward is not compiled).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     cache.reset()  # a second call reuses the compiled step (no recompilation: fullgraph and the same guards)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(hf_generate(model, ids, mask, 12, past_key_values=cache, compile_config=config), want)
