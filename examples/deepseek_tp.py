@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from mla_inductor import hf
-from mla_inductor.distributed import DCPMLACache, make_dcp_group, shard_deepseek_attention_tp
+from mla_inductor.distributed import make_dcp_group, shard_deepseek_attention_tp
+from mla_inductor.hf import DCPMLACache
 from mla_inductor.testing import random_deepseek_model, relative_error
 
 SMALL_V3 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,

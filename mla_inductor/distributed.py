@@ -26,9 +26,9 @@ token's local page equal its virtual page.
 TP x DCP (vLLM's arrangement, DCP inside the TP group): a TP group of ``tp`` ranks splits the heads,
 ``h = H / tp`` per rank; consecutive blocks of ``dcp`` ranks of it form the DCP groups, each holding one
 copy of the cache split ``dcp`` ways. ``DCPLatentCache`` is ``PagedLatentCache`` split over a DCP group;
-for Hugging Face models, ``shard_deepseek_attention_tp`` splits the attention by heads and ``DCPMLACache``
-(a ``mla_inductor.hf.PagedMLACache`` split over a DCP group; loaded with transformers on first use) is
-the cache to pass to ``model.generate`` / ``hf.decode_one_token``.
+for Hugging Face models, ``shard_deepseek_attention_tp`` splits the attention by heads and
+``mla_inductor.hf.DCPMLACache`` (a ``PagedMLACache`` split over a DCP group; it derives from transformers'
+``Cache``, so it lives with the HF integration) is the cache to pass to ``model.generate`` / ``hf.decode_one_token``.
 
     dist.init_process_group("nccl")                        # torchrun --nproc-per-node 2 ...
     dcp = make_dcp_group(dcp_size=2, interleave=1, exchange="a2a")
@@ -58,7 +58,6 @@ __all__ = [
     "DCPGroup",
     "DCPLatentCache",
     "DCPLayout",
-    "DCPMLACache",
     "agreed_fp8_scale",
     "all_gather",
     "all_reduce_sum",
@@ -476,11 +475,3 @@ def split_heads(x: Tensor, group_or_size, rank: Optional[int] = None) -> Tensor:
     h = x.shape[1] // size
     return x[:, rank * h:(rank + 1) * h]
 
-
-def __getattr__(name: str):
-    # DCPMLACache derives from transformers' Cache: loaded (with transformers) only when first asked for.
-    if name == "DCPMLACache":
-        from mla_inductor._hf_distributed import DCPMLACache
-
-        return DCPMLACache
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,11 +31,14 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
+from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
+
 if TYPE_CHECKING:
     from mla_inductor._hf import PagedMLACache
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "DCPMLACache",
     "PagedMLACache",
     "SUPPORTED_MODEL_TYPES",
     "decode_one_token",
@@ -45,40 +48,13 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "mla_inductor"
-# The tested range (pyproject's ``hf`` extra): DeepSeek-style attention caches the latent and calls
-# ``past_key_values.update(kv_nope, k_rot, layer_idx)`` since these releases.
-MIN_TRANSFORMERS = (5, 23)
-MAX_TRANSFORMERS_MAJOR = 5
 _LAZY = ("PagedMLACache", "SUPPORTED_MODEL_TYPES", "check_model")
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
-def _require_transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError(
-            "mla_inductor.hf needs Hugging Face transformers 5.x (>= 5.23): pip install 'mla-inductor[hf]'"
-        ) from e
-    version = _version_tuple(transformers.__version__)
-    if version < MIN_TRANSFORMERS or version[0] > MAX_TRANSFORMERS_MAJOR:
-        raise ImportError(
-            f"mla_inductor.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, < "
-            f"{MAX_TRANSFORMERS_MAJOR + 1} (MLA attention that caches the latent), found {transformers.__version__}: "
-            "pip install 'mla-inductor[hf]'"
-        )
-    return transformers
+# DCPMLACache: the paged cache split over a DCP group (mla_inductor.distributed), for generate() under torchrun.
+_LAZY_DISTRIBUTED = ("DCPMLACache",)
 
 
 def _impl():
-    _require_transformers()
+    require_transformers()
     from mla_inductor import _hf
 
     return _hf
@@ -87,6 +63,11 @@ def _impl():
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(_impl(), name)
+    if name in _LAZY_DISTRIBUTED:
+        require_transformers()
+        from mla_inductor import _hf_distributed
+
+        return getattr(_hf_distributed, name)
     if name == "build_random_deepseek":
         return _build_random_deepseek_deprecated
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

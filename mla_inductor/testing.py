@@ -178,14 +178,14 @@ def random_mla_model(
     """A randomly initialised ``*ForCausalLM`` of transformers' ``model_type`` (e.g. "deepseek_v3") from its
     config class's defaults plus ``config_overrides``, in eval mode. The defaults are the real model's
     sizes: override them for anything small."""
-    from mla_inductor.hf import _require_transformers
+    from mla_inductor._transformers import require_transformers
 
-    transformers = _require_transformers()
-    from mla_inductor import hf
+    transformers = require_transformers()
+    from mla_inductor._hf import SUPPORTED_MODEL_TYPES
 
     config = transformers.AutoConfig.for_model(model_type, **config_overrides)
     config._attn_implementation = attn_implementation
-    support = hf.SUPPORTED_MODEL_TYPES.get(model_type)
+    support = SUPPORTED_MODEL_TYPES.get(model_type)
     # Not every supported type is in AutoModelForCausalLM's table (mistral4): the table names the class.
     model_class = getattr(transformers, support.causal_lm) if support else transformers.AutoModelForCausalLM
     torch.manual_seed(seed)

@@ -257,7 +257,8 @@ def case_tp_hf(device, dcp_size, exchange, fmt, attention_bias=False):
     one process's. ``attention_bias``: o_proj (and the latent projections) with a bias, which TP adds once after
     the sum."""
     from mla_inductor import hf
-    from mla_inductor.distributed import DCPMLACache, shard_deepseek_attention_tp
+    from mla_inductor.distributed import shard_deepseek_attention_tp
+    from mla_inductor.hf import DCPMLACache
     from mla_inductor.testing import random_deepseek_model
 
     kv_scale = 0.05 if fmt == "fp8_e4m3" else 1.0
