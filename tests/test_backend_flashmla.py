@@ -669,7 +669,7 @@ def test_sgl_dense_uses_legacy_kernels_and_hoisted_metadata(provider, Q):
 
 
 def test_calls_without_a_plan_share_one_until_the_lengths_change(provider):
-    """Eager calls (and compiled calls handed no plan) over the same block_table / seq_lens make FlashMLA's
+    """Eager calls over the same block_table / seq_lens make FlashMLA's
     schedule once and reuse it, with the same results; a write to seq_lens makes the next call plan again.
     mla.paged_decode's eager run (out only) gives the same output."""
     sgl = RecordingSglModule()
@@ -689,6 +689,21 @@ def test_calls_without_a_plan_share_one_until_the_lengths_change(provider):
     x.seq_lens.add_(0)  # a write through torch
     BACKEND.decode(*x.args())
     assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 2
+
+
+def test_compiled_ops_given_no_plan_keep_none(provider):
+    """The ops a compiled graph calls with no plan (one-call graphs, per-layer graphs) plan inline and store
+    nothing: under CUDA graph trees a stored plan would be pool memory no graph output accounts for
+    ("tensors in the cudagraph pool not tracked as outputs")."""
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    fm.PLANS.forget()
+    x = make_decode_inputs(SEQ_LENS, num_heads=3)
+    hits = fm.PLANS.hits
+    for op in (torch.ops.mla_flashmla.decode, torch.ops.mla_flashmla.decode, torch.ops.mla_flashmla.decode_out):
+        op(*x.args(), [])
+    assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 3
+    assert fm.PLANS.hits == hits and not fm.PLANS._entries
 
 
 @pytest.mark.parametrize("static_scale", [False, True], ids=["measured-scale", "static-q_scale"])

@@ -572,7 +572,7 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
                        q_nope.dtype, need_lse)
 
 
-# The last plan made by a call without one (eager, a graph compiled per layer), reused by the next such calls
+# The last plan made by an eager call, reused by the next eager calls
 # over the same block_table / seq_lens / sparse_indices and shapes: one schedule per step however it is split.
 PLANS = PlanCache("flashmla")
 
@@ -595,10 +595,9 @@ def decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_
 
 
 def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-    """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32, natural log)."""
-    if not plan:
-        return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                    sparse_indices)
+    """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32, natural log). A compiled
+    call given no plan plans inline and keeps nothing: under CUDA graphs (cudagraph trees) a plan stored past
+    the call would be memory of the graph's pool that no output accounts for."""
     return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                            plan)[:2]
 
@@ -664,8 +663,6 @@ def _decode_and_plan_list(*args) -> list[Tensor]:
 def _decode_out(*args) -> Tensor:
     """``mla_flashmla::decode`` for a call whose lse nobody reads (``mla.paged_decode``): out only, with no
     epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse, dense_ds)."""
-    if not args[-1]:
-        return decode_reusing_plans(*args[:-1], need_lse=False)[0]
     return decode_and_plan(*args, need_lse=False)[0]
 
 
@@ -791,7 +788,9 @@ class FlashMLABackend(Backend):
 
     @skips_empty_calls
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
-        return run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
+        # An eager entry point (compiled graphs call the ops): the plan may be kept for the next eager call.
+        return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                    sparse_indices)
 
     @skips_empty_calls
     def decode_with_q_scale(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
