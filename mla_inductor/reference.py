@@ -18,6 +18,9 @@ sparse calls, listed slots) at a time with an online softmax: a running max, sum
 row. A call holds one chunk's keys and logits, never the whole gathered context; the chunks run in a
 ``while_loop`` that stops after the longest sequence's last chunk, which Inductor generates as a loop
 over kernels. A call whose whole block table (or list of slots) fits one chunk runs it without a loop.
+On a GPU a while_loop would read its condition back to the host every chunk (a sync per chunk), so there
+the chunks are larger (``CHUNK_POSITIONS_GPU``) and run in a Python loop over the table's static chunk
+count, every chunk masked: no device->host read, in eager calls and in graphs (where the loop unrolls).
 """
 
 from __future__ import annotations
@@ -36,24 +39,35 @@ Tensor = torch.Tensor
 # Positions per chunk. Per chunk and sequence: the fp32 keys (L+R values), the stored rows and the
 # [Q*H] logits of each position. At B=64, L+R=576 that is about 10 MB of fp32 keys per chunk.
 CHUNK_POSITIONS = 64
+CHUNK_POSITIONS_GPU = 1024
 
 
 def _ceil_div(a, b):
     return (a + b - 1) // b
 
 
-def _pages_per_chunk(max_pages, page_size):
-    """Whole pages of about CHUNK_POSITIONS positions; the whole table when it is statically smaller."""
-    pages = _ceil_div(CHUNK_POSITIONS, page_size)
+def _loops_on_host(device: torch.device) -> bool:
+    """Whether the chunks of a call on ``device`` run in a Python loop (a GPU: no loop condition to read
+    back) rather than a while_loop (the CPU: stops after the longest sequence's last chunk)."""
+    return device.type != "cpu"
+
+
+def _positions_per_chunk(device: torch.device) -> int:
+    return CHUNK_POSITIONS_GPU if _loops_on_host(device) else CHUNK_POSITIONS
+
+
+def _pages_per_chunk(max_pages, page_size, positions: int = CHUNK_POSITIONS):
+    """Whole pages of about ``positions`` positions; the whole table when it is statically smaller."""
+    pages = _ceil_div(positions, page_size)
     if isinstance(max_pages, int) and isinstance(pages, int):
         pages = max(1, min(pages, max_pages))
     return pages
 
 
-def _slots_per_chunk(topk):
+def _slots_per_chunk(topk, positions: int = CHUNK_POSITIONS):
     if isinstance(topk, int):
-        return max(1, min(CHUNK_POSITIONS, topk))
-    return CHUNK_POSITIONS
+        return max(1, min(positions, topk))
+    return positions
 
 
 def dense_chunk(chunk: Tensor, block_table: Tensor, seq_lens: Tensor, num_pages: int, page_size: int,
@@ -65,7 +79,7 @@ def dense_chunk(chunk: Tensor, block_table: Tensor, seq_lens: Tensor, num_pages:
     inside the block table.
     """
     max_pages = block_table.shape[1]
-    chunk_pages = _pages_per_chunk(max_pages, page_size)
+    chunk_pages = _pages_per_chunk(max_pages, page_size, _positions_per_chunk(block_table.device))
     table_cols = chunk * chunk_pages + torch.arange(chunk_pages, device=block_table.device)
     pages = block_table.index_select(1, table_cols.clamp(max=max_pages - 1)).long().clamp(0, num_pages - 1)
     within = torch.arange(chunk_pages * page_size, device=block_table.device)
@@ -83,7 +97,7 @@ def sparse_chunk(chunk: Tensor, sparse_indices: Tensor, num_pages: int, page_siz
     cache) and ``attended`` bool [T, 1, S_c] (a slot in [0, P * page_size); -1 padding and anything
     else out of range attend nothing)."""
     topk = sparse_indices.shape[1]
-    width = _slots_per_chunk(topk)
+    width = _slots_per_chunk(topk, _positions_per_chunk(sparse_indices.device))
     cols = chunk * width + torch.arange(width, device=sparse_indices.device)
     slots = sparse_indices.index_select(1, cols.clamp(max=topk - 1)).long()
     attended = (slots >= 0) & (slots < num_pages * page_size) & (cols < topk)
@@ -130,11 +144,11 @@ def online_softmax_step(state: tuple[Tensor, Tensor, Tensor], q_nope: Tensor, q_
 def _run_chunks(step, num_chunks_static, num_chunks: Tensor, state, inputs):
     """Fold chunks 0..num_chunks-1 with ``step(chunk, state, *inputs) -> state``: once, without a loop,
     when there is statically at most one chunk; else in a while_loop."""
-    if isinstance(num_chunks_static, int) and num_chunks_static <= 1:
-        if num_chunks_static == 0:
-            return state
-        first = torch.zeros((), dtype=torch.int64, device=num_chunks.device)
-        return step(first, state, *inputs)
+    if isinstance(num_chunks_static, int) and (num_chunks_static <= 1 or _loops_on_host(num_chunks.device)):
+        # Every chunk, masked, in a Python loop: no loop condition to read back from a GPU.
+        for chunk in range(num_chunks_static):
+            state = step(torch.full((), chunk, dtype=torch.int64, device=num_chunks.device), state, *inputs)
+        return state
 
     def cond(chunk, row_max, total, acc, *extra):
         return chunk < extra[-1]
@@ -166,8 +180,9 @@ def paged_decode_reference(
     T, H, L = q_nope.shape
     page_size = kv_cache.shape[1]
     device = q_nope.device
+    positions = _positions_per_chunk(device)
     if sparse_indices is None:
-        chunk_len = _pages_per_chunk(block_table.shape[1], page_size) * page_size
+        chunk_len = _pages_per_chunk(block_table.shape[1], page_size, positions) * page_size
         num_static = _ceil_div(block_table.shape[1] * page_size, chunk_len)
         # Only as many chunks as the longest sequence needs (0 for an empty batch).
         longest = torch.nn.functional.pad(seq_lens.long(), (0, 1)).amax()
@@ -181,7 +196,7 @@ def paged_decode_reference(
         index_inputs = (block_table, seq_lens)
     else:
         topk = sparse_indices.shape[1]
-        num_static = _ceil_div(topk, _slots_per_chunk(topk))
+        num_static = _ceil_div(topk, _slots_per_chunk(topk, positions))
         num_chunks = torch.full((), num_static, dtype=torch.int64, device=device)
 
         def step(chunk, state, qn, qp, cache, indices, lens, scale):

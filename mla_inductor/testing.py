@@ -148,6 +148,19 @@ def backend_call_paths(backend, args: tuple) -> list[tuple[str, torch.Tensor, to
     return paths
 
 
+def lse_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``relative_error`` for log-sum-exps, absolute where they are small: ‖actual − expected‖ /
+    max(‖expected‖, √n) over the n finite entries. An lse enters every use (merging partial results) through
+    ``exp(lse_a - lse_b)``, so what matters is its absolute error; a relative bound would ask a kernel that
+    rounds q to its dtype for 1e-3 of a logit that happens to be 4e-4. Non-finite entries as in
+    ``relative_error``."""
+    if relative_error(actual, expected) == float("inf"):
+        return float("inf")
+    finite = torch.isfinite(expected)
+    a, e = actual.double()[finite], expected.double()[finite]
+    return float((a - e).norm()) / max(float(e.norm()), float(finite.sum()) ** 0.5, 1e-30)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ in float64 over the finite entries of ``expected``; the other
     entries (lse = -inf) must match exactly. Any mismatch or non-finite value in ``actual`` where

@@ -79,6 +79,8 @@ REFUSALS = [  # (backend, capability, problem overrides, words the reason must c
     ("flashinfer_xqa", "SM120", dict(num_heads=16), "num_heads=128"),
     ("flashinfer_xqa", "SM120", dict(sparse=True, topk=64), "sparse"),
     ("flashinfer_xqa", "SM120", dict(page_size=8), "page_size"),
+    ("flashinfer_fa2", "SM90", dict(q_per_seq=4, num_heads=63, cache_format="fp16", q_dtype=torch.float16), "multiple of 16"),
+    ("flashinfer_fa3", "SM90", dict(q_per_seq=4, num_heads=63), "multiple of 16"),
 ]
 
 
@@ -592,3 +594,9 @@ def test_finish_rows_touches_only_empty_rows(dtype, Q, copy_lse, zero_out):
     finish_rows(got_out, got_lse, (counts > 0).to(DEV) if Q == 2 else counts.to(DEV),
                 lse_src=kernel_lse.to(DEV).transpose(1, 2) if copy_lse else None, zero_out=zero_out)
     assert torch.equal(got_out.cpu(), want_out) and torch.equal(got_lse.cpu(), want_lse)
+
+
+@pytest.mark.parametrize("overrides", [dict(q_per_seq=4, num_heads=16), dict(q_per_seq=2, num_heads=63)])
+@pytest.mark.parametrize("name", ["flashinfer_fa2", "flashinfer_fa3"])
+def test_fa_accepts_more_queries_per_sequence_where_measured_right(name, overrides, cuda_13):
+    assert get_backend(name).supports(problem(**overrides), CAPS["SM90"]) is None

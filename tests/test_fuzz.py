@@ -20,13 +20,13 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mla_inductor.backends import BACKEND_MODULES, device_capability, get_backend
 from mla_inductor.cache import FP8_E4M3_MAX, pack_fp8_ds_mla
 from mla_inductor.contract import check_decode_args
-from mla_inductor.testing import DecodeInputs, relative_error
+from mla_inductor.testing import DecodeInputs, lse_error, relative_error
 from grids import compiled_decode, one_thread_on_cpu, step_args, tolerances_for  # noqa: F401 - a fixture
 from naive import naive_decode
 from poison import GARBAGE, attended_slots, poison_unattended
@@ -166,7 +166,7 @@ def calls(draw, fmts=FORMATS, q_dtypes=Q_DTYPES, sparse=(False, True), dims=None
 
 def assert_matches_oracle(x, out, lse, tols, call):
     want_out, want_lse = naive_decode(*x.args())
-    err_out, err_lse = relative_error(out.cpu(), want_out), relative_error(lse.cpu(), want_lse)
+    err_out, err_lse = relative_error(out.cpu(), want_out), lse_error(lse.cpu(), want_lse)
     assert out.shape == want_out.shape and out.dtype == x.q_nope.dtype and lse.dtype == torch.float32
     assert err_out < tols[0] and err_lse < tols[1], f"out error {err_out:.2e}, lse error {err_lse:.2e} for {call}"
 
@@ -229,6 +229,11 @@ def test_fuzz_triton_interpreter(call):
 # ----------------------------------------------------------------------------- GPU (H100)
 GPU_BACKENDS = [name for name in BACKEND_MODULES if name != "reference"]
 GPU_EXAMPLES = 300
+# Found by this test on the H100: one key whose logit is -4e-4; FlashInfer's fp8 path, rounding kv_scale * q to
+# bf16, gave -2e-4 (relative lse error 0.55, absolute 2e-4): judged by lse_error, absolute where lses are small.
+NEAR_ZERO_LSE = Call(lens=(1,), q_per_seq=1, heads=1, kv_lora_rank=512, rope_dim=64, page_size=1, fmt="fp8_e4m3",
+                     q_dtype=torch.bfloat16, spare_table_cols=1, spare_pages=1, share_pages=False, topk=None,
+                     garbage="nan", table_fill="huge", q_scale=0.1, softmax_scale_factor=1.0, kv_scale=0.046875, seed=0)
 
 
 @pytest.mark.gpu
@@ -245,6 +250,7 @@ def test_fuzz_gpu_backend(backend_name):
     @given(call=calls(fmts=("bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"), q_dtypes=(torch.bfloat16, torch.float16),
                       dims=(512, 64), heads=(1, 128), batch=(1, 8), q_per_seq=(1, 4), max_len=1500,
                       pages=(1, 16, 32, 64, 64, 64)))  # 64 three times: the page size every backend takes
+    @example(call=NEAR_ZERO_LSE)
     def check(call):
         x = call.inputs(device="cuda")
         if backend.supports(check_decode_args(*x.args()), device_capability(x.q_nope.device)) is not None:

@@ -193,3 +193,33 @@ def test_cache_append_refuses_a_slot_listed_twice():
     assert torch.equal(kv_cache, before)  # nothing written
     torch.ops.mla.cache_append(kv_cache, kv_c, k_pe, torch.tensor([1, -1, -1]), torch.ones(1))  # -1 twice is fine
     assert torch.equal(kv_cache.reshape(4, 6)[1], torch.cat([kv_c[0], k_pe[0]]))
+
+
+def test_lse_error_is_absolute_for_small_lses_relative_for_large_ones():
+    from mla_inductor.testing import lse_error
+
+    small = torch.tensor([[-4e-4]], dtype=torch.float64)  # one key whose logit is near zero
+    assert lse_error(torch.tensor([[-2e-4]]), small) == pytest.approx(2e-4)  # relative_error: 0.5
+    large = torch.tensor([100.0, -100.0], dtype=torch.float64)
+    assert lse_error(large.float() * 1.01, large) == pytest.approx(0.01, rel=1e-4)
+    ninf = torch.tensor([1.0, float("-inf")], dtype=torch.float64)
+    assert lse_error(torch.tensor([1.0, 0.0]), ninf) == float("inf")  # a row that sees nothing must be -inf
+    assert lse_error(torch.tensor([float("nan"), float("-inf")]), ninf) == float("inf")
+
+
+@pytest.mark.parametrize("kw", [dict(seq_lens=[1500, 3, 0, 777], page_size=16),
+                                dict(seq_lens=[300, 20], page_size=64, q_per_seq=3),
+                                dict(seq_lens=[200, 30, 0], page_size=64, topk=1100)],
+                         ids=["dense_several_chunks", "mtp_q3", "sparse_two_chunks"])
+def test_gpu_chunking_runs_no_device_loop_and_matches(monkeypatch, kw):
+    """On a GPU the reference runs its chunks in a Python loop (a while_loop reads its condition back to the
+    host every chunk: a sync): the same results, and no while_loop, shown on the CPU by taking that path."""
+    import mla_inductor.reference as reference
+
+    kw = dict(kw)
+    x = poisoned(make_decode_inputs(kw.pop("seq_lens"), num_heads=4, **kw))
+    want_out, want_lse = naive_decode(*x.args())
+    monkeypatch.setattr(reference, "_loops_on_host", lambda device: True)
+    monkeypatch.setattr(reference, "while_loop", lambda *a: pytest.fail("a while_loop on the GPU path"))
+    out, lse = reference.paged_decode_reference(*x.args())
+    assert relative_error(out, want_out) < TOLERANCE[x.q_nope.dtype] and relative_error(lse, want_lse) < 1e-5
