@@ -37,7 +37,9 @@ quantization of q fuses into that producer; each peer runs the same producer, co
 the quantization its users write (fp8 peers: ``q / q_scale``, clamp, e4m3) into the buffers its kernel
 reads, captured with the kernel in the same CUDA graph. ``rope`` hands the op q_nope and q_pe as two
 tensors (as ``mla_inductor.hf`` does), ``rope-joined`` as the two slices of one [T, H, 576] tensor. These
-rows also record ``kernels_per_call``: the Inductor kernels the compiled step launches per call.
+rows also record ``kernels_per_call``: the Inductor kernels the compiled step launches per call. Here only
+``graphed/ours`` compares like with like: a peer's direct call also pays its compiled producer's host
+dispatch before the kernel is launched.
 
 The ratio is best peer time / ours (>= 1: the compiled op is at least as fast). ``chosen`` is the
 backend the selection table picks here. ``--out DIR`` writes bench_pass.md and bench_pass.json.
