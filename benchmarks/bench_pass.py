@@ -3,7 +3,8 @@
 
     python benchmarks/bench_pass.py [--quick] [--layers 61] [--backends chosen,flashmla,flashinfer_fa3]
         [--cases 0-3 | --case var,64,16,8192 ...] [--formats bf16,fp8_e4m3,fp8_ds_mla]
-        [--fp8-queries static,measured,bf16] [--no-sparse] [--no-step] [--out DIR]
+        [--fp8-queries static,measured,bf16] [--q-producer none,rope,rope-joined] [--no-sparse] [--no-step]
+        [--out DIR]
 
 Cases and peers come from ``benchmarks/peers.py`` (peers found by import; one not installed is reported
 and skipped) and are timed in the same run, the same way (do_bench median, warmup=25, rep=200). For
@@ -27,6 +28,19 @@ per-tensor scale the fp8 peers quantize their query with, so backends that take 
 default: no opt-in, q stays bf16). Dense fp8_ds_mla rows compare with FlashMLA's sparse kernel called
 by hand on every position (sgl-flash-mla's and vLLM's builds).
 
+Where q comes from (``--q-producer``, dense rows; column ``q_made``): ``none`` (the default, the
+kernel-only rows above): q is an input of the step, and the peers get it ready-made, quantized outside
+the timed region for the fp8 peers. ``rope`` / ``rope-joined``: every call's q is computed in the timed
+step as a model computes it (``benchmarks/query_producer.py``: a per-channel weight on the latent part,
+DeepSeek's interleaved rope on the rope part), on both sides: ours in the compiled step, where the pass's
+quantization of q fuses into that producer; each peer runs the same producer, compiled by Inductor, then
+the quantization its users write (fp8 peers: ``q / q_scale``, clamp, e4m3) into the buffers its kernel
+reads, captured with the kernel in the same CUDA graph. ``rope`` hands the op q_nope and q_pe as two
+tensors (as ``mla_inductor.hf`` does), ``rope-joined`` as the two slices of one [T, H, 576] tensor. These
+rows also record ``kernels_per_call``: the Inductor kernels the compiled step launches per call. Here only
+``graphed/ours`` compares like with like: a peer's direct call also pays its compiled producer's host
+dispatch before the kernel is launched.
+
 The ratio is best peer time / ours (>= 1: the compiled op is at least as fast). ``chosen`` is the
 backend the selection table picks here. ``--out DIR`` writes bench_pass.md and bench_pass.json.
 """
@@ -37,10 +51,12 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import re
 import traceback
 from typing import Optional
 
 import peers as peer_kernels
+import query_producer
 import torch
 import report
 
@@ -91,53 +107,100 @@ def _calls_step(calls: int, scale: float):
     return step
 
 
+@dataclasses.dataclass(frozen=True)
+class MadeQuery:
+    """q computed in the step (``--q-producer``): the mode, and the first call's producer inputs."""
+
+    producer: query_producer.Producer
+    first: query_producer.ProducedQuery
+
+
+def _step_and_args(calls: int, q, caches, block_table, seq_lens, scale, kv_scale, sparse_indices, q_scale,
+                   made: Optional[MadeQuery]):
+    """(step function, its arguments, the tensors to mark static): ``calls`` calls on q given as inputs
+    (``made`` None; the first is ``q``) or on q made in the step from ``made``'s producer inputs."""
+    if made is None:
+        qs = [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
+        return _calls_step(calls, scale), (qs, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale), qs
+    layers = made.first.layers(calls)
+    args = query_producer.step_arguments(layers, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale)
+    step = query_producer.produced_query_step(scale, made.producer.joined)
+    return step, args, [t for p in layers for t in (p.q_raw, p.w_nope, p.cos, p.sin)]
+
+
+KERNEL_LAUNCH = re.compile(r"^\s+\w+\.run\(", re.M)  # a Triton kernel launched by Inductor's wrapper code
+
+
+def _first_call_counting_kernels(step, args):
+    """(the step's first call's output, Inductor kernels its generated code launches, or None where the
+    code could not be read)."""
+    try:
+        from torch._inductor.utils import run_and_get_code
+    except ImportError:
+        return step(*args), None
+    out, codes = run_and_get_code(step, *args)
+    return out, (sum(len(KERNEL_LAUNCH.findall(code)) for code in codes) if codes else None)
+
+
 def compile_calls(backend: str, calls: int, q, kv_cache, block_table, seq_lens, scale, kv_scale,
-                  sparse_indices=None, query: "QueryMode" = None):
-    """(step, args, output of the first call) of a compiled CUDA-graph step making ``calls`` calls on
-    ``backend`` (None: the table's choice), already compiled and recorded; ``query``: how the calls
-    treat q (a static q_scale, or allow_fp8_query)."""
+                  sparse_indices=None, query: "QueryMode" = None, made: Optional[MadeQuery] = None):
+    """(step, args, output of the first call, Inductor kernels launched per step or None) of a compiled
+    CUDA-graph step making ``calls`` calls on ``backend`` (None: the table's choice), already compiled and
+    recorded; ``query``: how the calls treat q (a static q_scale, or allow_fp8_query); ``made``: q computed
+    in the step (``--q-producer``; None: q is an input)."""
     query = query or BF16_QUERY
-    qs = [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
     caches = layer_caches(kv_cache, calls)
-    args = (qs, caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale)
+    fn, args, query_inputs = _step_and_args(calls, q, caches, block_table, seq_lens, scale, kv_scale,
+                                            sparse_indices, query.q_scale, made)
     torch._dynamo.reset()
-    _mark_static([*qs, *caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale])
-    step = torch.compile(_calls_step(calls, scale), fullgraph=True, mode="reduce-overhead")
+    _mark_static([*query_inputs, *caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale])
+    step = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    kernels = None
     with contextlib.ExitStack() as stack:
         if backend:
             stack.enter_context(mla_inductor.prefer_backends(backend))
         stack.enter_context(mla_inductor.allow_fp8_query(query.allow))
-        for _ in range(3):  # compile, record, replay
-            out = step(*args)[0].clone()
-    return step, args, out
+        for i in range(3):  # compile, record, replay
+            if i == 0 and made is not None:
+                first, kernels = _first_call_counting_kernels(step, args)
+                out = first[0].clone()
+            else:
+                out = step(*args)[0].clone()
+    return step, args, out, kernels
 
 
 def time_compiled(backend: str, calls: int, q, kv_cache, block_table, seq_lens, scale, kv_scale,
-                  sparse_indices=None, query: "QueryMode" = None):
-    """(time of one call in ms, its output) for ``calls`` calls per compiled CUDA-graph step on
-    ``backend`` (None: the table's choice)."""
-    step, args, out = compile_calls(backend, calls, q, kv_cache, block_table, seq_lens, scale, kv_scale,
-                                    sparse_indices, query)
+                  sparse_indices=None, query: "QueryMode" = None, made: Optional[MadeQuery] = None):
+    """(time of one call in ms, its output, Inductor kernels launched per call or None) for ``calls`` calls
+    per compiled CUDA-graph step on ``backend`` (None: the table's choice)."""
+    step, args, out, kernels = compile_calls(backend, calls, q, kv_cache, block_table, seq_lens, scale, kv_scale,
+                                             sparse_indices, query, made)
     ms = _bench(functools.partial(step, *args))
     del step, args
     torch._dynamo.reset()  # frees the CUDA-graph pool and the cache copies before the next case
     torch.cuda.empty_cache()
-    return ms / calls, out
+    return ms / calls, out, (kernels / calls if kernels is not None else None)
 
 
 GRAPHED_PEERS_WITHIN = 1.3  # peers this close to the fastest are also timed inside a CUDA graph
 
 
-def time_peer_graphed(make, c, cache_key: str, calls: int) -> float:
+def fresh_query(c: dict) -> dict:
+    """Another call's query: the case entries to replace (a new random q of the same distribution)."""
+    return dict(q=torch.randn_like(c["q"], dtype=torch.float32).mul_(0.5).to(c["q"].dtype))
+
+
+def time_peer_graphed(make, c, cache_key: str, calls: int, fresh=fresh_query) -> float:
     """ms per call of a peer captured ``calls`` times in one CUDA graph, each call on its own query and
     cache as in ``time_compiled``: the peer under the same conditions as ours (back-to-back calls, no
     launch latency, no L2 flush between calls), which separates what the plugin costs from how a
-    single call is timed. ``cache_key``: the case entry the peer reads its cache from."""
+    single call is timed. ``cache_key``: the case entry the peer reads its cache from; ``fresh(c)``: the
+    entries giving another call its own query."""
     copies = layer_caches(c[cache_key], calls)
     fns = []
     for i, cache in enumerate(copies):
-        q = c["q"] if i == 0 else torch.randn_like(c["q"], dtype=torch.float32).mul_(0.5).to(c["q"].dtype)
-        fns.append(make(dict(c, q=q, **{cache_key: cache})))
+        query = {} if i == 0 else fresh(c)
+        fns.append(make(dict(c, **query, **{cache_key: cache})))
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -151,10 +214,11 @@ def time_peer_graphed(make, c, cache_key: str, calls: int) -> float:
     return ms
 
 
-def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = None, calls: int = 0):
+def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = None, calls: int = 0,
+               fresh=fresh_query):
     """((name, ms) of the fastest peer that runs here, each timed now as peers.py does, and (name, ms)
     of the fastest in a ``calls``-call CUDA graph among those within GRAPHED_PEERS_WITHIN of it; (None,
-    inf) without ``cache_key``)."""
+    inf) without ``cache_key``). ``fresh``: as in ``time_peer_graphed``."""
     times = {}
     for name, make in makers.items():
         try:
@@ -177,7 +241,7 @@ def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = No
         if cache_key is None or ms > GRAPHED_PEERS_WITHIN * best[1]:
             continue
         try:
-            graphed[name] = time_peer_graphed(makers[name], c, cache_key, calls)
+            graphed[name] = time_peer_graphed(makers[name], c, cache_key, calls, fresh)
         except Exception as e:  # noqa: BLE001
             print(f"  peer {name} in a CUDA graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
@@ -228,13 +292,17 @@ def fp8_query_modes(names: list[str], q_scale: torch.Tensor) -> list[QueryMode]:
 
 def per_call_rows(label: str, makers: dict, c, q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices,
                   ref, peers, layers: int, wanted: list[str], rows: list, cache_key: Optional[str] = None,
-                  queries: tuple = (BF16_QUERY,)) -> None:
+                  queries: tuple = (BF16_QUERY,), made: Optional[MadeQuery] = None) -> None:
     """The peers (also in a ``layers``-call CUDA graph when ``cache_key`` names their cache), then for each
     query mode each candidate backend compiled: per call in a ``layers``-call step, and the chosen
-    backend's one-call step."""
+    backend's one-call step. ``made``: q computed in the step on both sides (``--q-producer``; ``c``
+    then carries the first call's producer inputs, see ``produced_case``)."""
     rows.append(f"{label}")
     print(label, flush=True)
-    peer_times = _best_peer(peers, makers, c, rows, cache_key, layers)
+    if made is not None:
+        makers = {name: produced_peer(make, peers.QUERY_ENTRIES.get(name, ("q",))) for name, make in makers.items()}
+    peer_times = _best_peer(peers, makers, c, rows, cache_key, layers,
+                            fresh_query if made is None else fresh_produced_query)
     call = (q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
     problem_args = (q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
     for query in queries:
@@ -244,31 +312,34 @@ def per_call_rows(label: str, makers: dict, c, q, kv_cache, block_table, seq_len
         with mla_inductor.allow_fp8_query(query.allow):
             chosen = _chosen_backend(*call, query.q_scale)
         for name in _candidates(wanted, chosen, problem_args, query):
-            _compiled_row(label, query, name, chosen, peer_times, call, ref, layers, rows)
+            _compiled_row(label, query, name, chosen, peer_times, call, ref, layers, rows, made)
 
 
 def _compiled_row(label: str, query: QueryMode, name: str, chosen: str, peer_times, call, ref, layers: int,
-                  rows: list) -> None:
+                  rows: list, made: Optional[MadeQuery] = None) -> None:
     """Time ``name`` compiled on ``call`` (q, kv_cache, block_table, seq_lens, scale, kv_scale,
     sparse_indices) per call in a ``layers``-call step (and in a one-call step if it is the table's
-    choice); one record and one printed row."""
+    choice); one record and one printed row. ``made``: q computed in the step (``--q-producer``)."""
     (best_name, best), (graphed_name, graphed) = peer_times
     try:
-        ms, out = time_compiled(name, layers, *call, query)
+        ms, out, kernels = time_compiled(name, layers, *call, query, made)
         single, ms1 = "", None
         if name == chosen:
-            ms1, _ = time_compiled(name, 1, *call, query)
+            ms1, _, _ = time_compiled(name, 1, *call, query, made)
             single = f"  1 call {ms1 * 1e3:7.1f} us ({best / ms1:5.3f})"
-        RECORDS.append(dict(case=label, query=query.name, backend=name, chosen=name == chosen,
+        RECORDS.append(dict(case=label, query=query.name, q_made=made.producer.name if made else "input",
+                            backend=name, chosen=name == chosen,
                             us_per_call=ms * 1e3, best_peer=best_name, peer_us=best * 1e3 if best_name else None,
                             peer_over_ours=best / ms if best_name else None, graphed_peer=graphed_name,
                             graphed_over_ours=graphed / ms if graphed_name else None,
-                            us_one_call=ms1 * 1e3 if ms1 else None, rel_err=_err(out, ref)))
+                            us_one_call=ms1 * 1e3 if ms1 else None, rel_err=_err(out, ref),
+                            kernels_per_call=kernels))
         in_graph = (f"  graphed peer {graphed_name} {graphed * 1e3:.1f} us  graphed/ours={graphed / ms:5.3f}"
                     if graphed_name else "")
+        launched = f"  {kernels:.2f} Inductor kernels per call" if kernels is not None else ""
         row = (f"  ours {name + ('*' if name == chosen else ''):<18} per call {ms * 1e3:7.1f} us  "
                f"best peer {best_name} {best * 1e3:.1f} us  peer/ours={best / ms:5.3f}{in_graph}{single}  "
-               f"err={_err(out, ref):.1e}")
+               f"err={_err(out, ref):.1e}{launched}")
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         row = f"  ours {name}: FAILED {type(e).__name__}: {str(e)[:200]}"
@@ -276,30 +347,97 @@ def _compiled_row(label: str, query: QueryMode, name: str, chosen: str, peer_tim
     rows.append(row)
 
 
+# ----------------------------------------------------------------------------- q made in the step (--q-producer)
+
+def produced_case(peers, base: dict, producer: query_producer.Producer, seed: int = 0) -> tuple[dict, MadeQuery]:
+    """A dense case whose query is made by ``producer`` (first call's inputs in ``c["produced"]``, q in
+    ``c["q"]``, its static scale in ``c["q_scale"]``), on ``base``'s cache and page table; and the
+    ``MadeQuery`` for our compiled step."""
+    c = {key: base[key] for key in ("B", "H", "S", "page", "lens", "block_table", "cache", "scale")}
+    positions = c["lens"].long() - 1  # the decoded token's position in each sequence
+    made = query_producer.ProducedQuery.random(c["B"], c["H"], D_CKV, peers.D_PE, positions,
+                                               generator=torch.Generator().manual_seed(seed))
+    c.update(produced=made, q=made.query())
+    c["q_scale"] = peers.query_scale(c)
+    return c, MadeQuery(producer, made)
+
+
+@functools.cache
+def compiled_writer(entries: tuple[str, ...]):
+    """``query_producer.query_writer(entries)`` compiled by Inductor (one fused kernel, as ours gets)."""
+    return torch.compile(query_producer.query_writer(entries), fullgraph=True, dynamic=False)
+
+
+def produced_peer(make, entries: tuple[str, ...]):
+    """A peer maker whose call first writes its query (``entries``: the case entries ``make``'s kernel reads
+    it from, ``peers.QUERY_ENTRIES``) from the case's producer inputs ``c["produced"]``, then runs the
+    kernel: the producer and the peer's quantization in the timed call, as ours has them."""
+    writer = compiled_writer(entries)
+
+    def make_produced(c: dict):
+        made = c["produced"]
+        q = made.query()  # the call's q in bf16: the kernel's reference
+        buffers = query_producer.query_buffers(entries, q, made.w_nope.shape[-1])
+
+        def write():
+            writer(made.q_raw, made.w_nope, made.cos, made.sin, c["q_scale"], *buffers)
+
+        write()
+        case = dict(c, q=q)
+        case.update(zip(entries, buffers))  # "q" itself, where the kernel reads the bf16 q in place
+        kernel = make(case)
+
+        def run():
+            write()
+            return kernel()
+
+        return run
+
+    return make_produced
+
+
+def fresh_produced_query(c: dict) -> dict:
+    """Another call's producer inputs (``time_peer_graphed``'s ``fresh`` for --q-producer rows)."""
+    return dict(produced=c["produced"].fresh_layer())
+
+
 def dense_rows(peers, cases, layers: int, wanted: list[str], rows: list, formats=("bf16", "fp8_e4m3", "fp8_ds_mla"),
-               fp8_queries=("static", "measured", "bf16")) -> None:
+               fp8_queries=("static", "measured", "bf16"), q_producers=("none",)) -> None:
+    """Each case, for each ``--q-producer`` mode ("none": q given, else ``query_producer.PRODUCERS``),
+    each cache format in ``formats``."""
     for cfg in cases:
         varlen = cfg[0] == "var"
         B, H, S = cfg[1:] if varlen else cfg
-        c = peers.make_case(B, H, S, varlen=varlen)
-        ref = peers.reference(c)
-        one = torch.ones(1, dtype=torch.float32, device=c["q"].device)
-        cache, k_scale = peers.fp8_cache(c)
-        variants = [("bf16", c["cache"], one, ref, "cache"),
-                    ("fp8_e4m3", cache, k_scale.reshape(1).float(), c["ref_fp8"], "cache_fp8")]
-        if "fp8_ds_mla" in formats:
-            c["cache_ds"], deq_ds = peers.ds_mla_cache(c["cache"])
-            variants.append(("fp8_ds_mla", c["cache_ds"], one, peers.reference(c, deq_ds), "cache_ds"))
-        for fmt, kv_cache, kv_scale, want, key in variants:
-            if fmt not in formats:
-                continue
-            makers = peers.DENSE_DS_PEERS if key == "cache_ds" else {
-                n: m for n, m in peers.PEERS.items() if n.endswith("fp8") == (key == "cache_fp8")}
-            queries = (fp8_query_modes(list(fp8_queries), peers.query_scale(c)) if key == "cache_fp8"
-                       else [BF16_QUERY])
-            label = f"{'var' if varlen else ''}B={B} H={H} S={S} {fmt}"
-            per_call_rows(label, makers, c, c["q"], kv_cache, c["block_table"], c["lens"], c["scale"], kv_scale,
-                          None, want, peers, layers, wanted, rows, cache_key=key, queries=tuple(queries))
+        base = peers.make_case(B, H, S, varlen=varlen)
+        for mode in q_producers:
+            c, made = (base, None) if mode == "none" else produced_case(peers, base, query_producer.PRODUCERS[mode])
+            dense_format_rows(peers, c, varlen, layers, wanted, rows, formats, fp8_queries, made)
+
+
+def dense_format_rows(peers, c: dict, varlen: bool, layers: int, wanted: list[str], rows: list, formats,
+                      fp8_queries, made: Optional[MadeQuery] = None) -> None:
+    """One dense case's rows, each cache format in ``formats`` (``made``: q made in the step)."""
+    B, H, S = c["B"], c["H"], c["S"]
+    ref = peers.reference(c)
+    one = torch.ones(1, dtype=torch.float32, device=c["q"].device)
+    cache, k_scale = peers.fp8_cache(c)
+    variants = [("bf16", c["cache"], one, ref, "cache"),
+                ("fp8_e4m3", cache, k_scale.reshape(1).float(), c["ref_fp8"], "cache_fp8")]
+    if "fp8_ds_mla" in formats:
+        c["cache_ds"], deq_ds = peers.ds_mla_cache(c["cache"])
+        variants.append(("fp8_ds_mla", c["cache_ds"], one, peers.reference(c, deq_ds), "cache_ds"))
+    for fmt, kv_cache, kv_scale, want, key in variants:
+        if fmt not in formats:
+            continue
+        makers = peers.DENSE_DS_PEERS if key == "cache_ds" else {
+            n: m for n, m in peers.PEERS.items() if n.endswith("fp8") == (key == "cache_fp8")}
+        queries = (fp8_query_modes(list(fp8_queries), peers.query_scale(c)) if key == "cache_fp8"
+                   else [BF16_QUERY])
+        label = f"{'var' if varlen else ''}B={B} H={H} S={S} {fmt}"
+        if made is not None:
+            label += f", q made in the step ({made.producer.name})"
+        per_call_rows(label, makers, c, c["q"], kv_cache, c["block_table"], c["lens"], c["scale"], kv_scale,
+                      None, want, peers, layers, wanted, rows, cache_key=key, queries=tuple(queries), made=made)
 
 
 def sparse_rows(peers, layers: int, wanted: list[str], rows: list) -> None:
@@ -406,10 +544,18 @@ def main(argv=None) -> None:
     p.add_argument("--formats", default="bf16,fp8_e4m3,fp8_ds_mla", help="cache formats of the dense cases")
     p.add_argument("--fp8-queries", default="static,measured,bf16",
                    help="how the dense fp8_e4m3 rows treat q: static (a q_scale), measured (allow_fp8_query), bf16")
+    p.add_argument("--q-producer", default="none",
+                   help="where the dense rows' q comes from, comma-separated: none (an input of the step, the "
+                        "kernel-only rows), rope (made in the timed step on both sides, q_nope and q_pe as two "
+                        "tensors), rope-joined (likewise, the two slices of one [T, H, 576] tensor)")
     p.add_argument("--no-sparse", action="store_true")
     p.add_argument("--no-step", action="store_true", help="skip the 61-layer overhead rows")
     report.add_out_argument(p)
     args = p.parse_args(argv)
+    q_producers = tuple(m.strip() for m in args.q_producer.split(",") if m.strip())
+    unknown = [m for m in q_producers if m != "none" and m not in query_producer.PRODUCERS]
+    if unknown or not q_producers:
+        p.error(f"--q-producer: expected none, {', '.join(query_producer.PRODUCERS)}, got {args.q_producer!r}")
     report.require_gpu("bench_pass.py")
     peers = peer_kernels
     wanted = [n.strip() for n in args.backends.split(",") if n.strip()]
@@ -420,7 +566,8 @@ def main(argv=None) -> None:
     cases = [tuple(int(x) if x != "var" else x for x in spec.split(",")) for spec in args.case] or _select(
         peers.QUICK if args.quick else peers.FULL, args.cases)
     sections = [("dense", lambda: dense_rows(peers, cases, args.layers, wanted, rows,
-                                              tuple(args.formats.split(",")), tuple(args.fp8_queries.split(","))))]
+                                              tuple(args.formats.split(",")), tuple(args.fp8_queries.split(",")),
+                                              q_producers))]
     if not args.no_sparse:
         sections.append(("sparse", lambda: sparse_rows(peers, args.layers, wanted, rows)))
     if not args.no_step:
@@ -432,8 +579,9 @@ def main(argv=None) -> None:
             section()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    columns = ["case", "query", "backend", "chosen", "us_per_call", "best_peer", "peer_us", "peer_over_ours", "graphed_peer",
-               "graphed_over_ours", "us_one_call", "rel_err", "step_us", "by_hand_us", "overhead"]
+    columns = ["case", "query", "q_made", "backend", "chosen", "us_per_call", "best_peer", "peer_us", "peer_over_ours",
+               "graphed_peer", "graphed_over_ours", "us_one_call", "rel_err", "kernels_per_call", "step_us",
+               "by_hand_us", "overhead"]
     markdown = "\n".join([f"Compiled op vs the peers, {report.environment_line(env)}", "",
                           report.markdown_table(columns, RECORDS)])
     report.write_results(args.out, "bench_pass", markdown, {"environment": env, "rows": RECORDS, "log": rows})

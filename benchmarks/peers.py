@@ -18,7 +18,8 @@ benchmark reports it and goes on):
 
 Cases are DeepSeek-V3 shaped (kv_lora_rank 512, rope 64, page 64) with scattered pages, bf16 q and
 cache; ``reference`` / ``sparse_reference`` compute the fp32 result each kernel is checked against.
-Every peer maker takes a case and returns a zero-argument function running one call.
+Every peer maker takes a case and returns a zero-argument function running one call; a dense peer reads
+its query from the case entries ``QUERY_ENTRIES`` names (made from ``c["q"]`` when absent).
 """
 
 from __future__ import annotations
@@ -125,10 +126,14 @@ def query_scale(c: dict) -> torch.Tensor:
 
 
 def _fp8_query(c: dict, cache, k_scale):
-    """q in e4m3 (per-tensor scale) for kernels that take it so; the reference on the dequantized q and
-    cache goes to ``c["ref_fp8q"]``."""
-    q_scale = query_scale(c)
-    q = (c["q"].float() / q_scale).to(torch.float8_e4m3fn)
+    """q in e4m3 (per-tensor scale) for kernels that take it so: ``c["q_fp8"]`` with ``c["q_scale"]`` where the
+    caller quantizes q itself (bench_pass --q-producer, in the timed step), else quantized here, once; the
+    reference on the dequantized q and cache goes to ``c["ref_fp8q"]``."""
+    if "q_fp8" in c:
+        q, q_scale = c["q_fp8"], c["q_scale"]
+    else:
+        q_scale = query_scale(c)
+        q = (c["q"].float() / q_scale).to(torch.float8_e4m3fn)
     qd = (q.float() * q_scale).to(torch.bfloat16)
     c["ref_fp8q"] = reference(dict(c, q=qd), (cache.float() * k_scale).to(torch.bfloat16))
     return q.unsqueeze(1), q_scale
@@ -206,6 +211,14 @@ def peer_sgl_flashmla_fp8(c: dict):
                                              descale_k=k_scale.reshape(1))[0].squeeze(1)
 
 
+def split_query(c: dict):
+    """(q_nope, q_pe) as two contiguous tensors: ``c["q_nope"]`` / ``c["q_pe"]`` where the caller writes them
+    (bench_pass --q-producer, in the timed step), else copies of ``c["q"]``'s slices made here, once."""
+    if "q_nope" in c:
+        return c["q_nope"], c["q_pe"]
+    return c["q"][..., :D_CKV].contiguous(), c["q"][..., D_CKV:].contiguous()
+
+
 _WORKSPACE: dict = {}
 
 
@@ -232,7 +245,7 @@ def peer_flashinfer(backend: str, fp8: bool = False):
         w.plan(qo_indptr, kv_indptr, c["block_table"][used].int(), c["lens"], c["H"], D_CKV, D_PE, page, False,
                c["scale"], torch.bfloat16, cache.dtype)
         ckv, kpe = cache[..., :D_CKV], cache[..., D_CKV:]
-        qn, qp = c["q"][..., :D_CKV].contiguous(), c["q"][..., D_CKV:].contiguous()
+        qn, qp = split_query(c)
         out = torch.empty(B, c["H"], D_CKV, dtype=torch.bfloat16, device="cuda")
         return lambda: w.run(qn, qp, ckv, kpe, out=out, **scales)
 
@@ -279,6 +292,18 @@ PEERS = {
     "sgl_flashmla_fp8": peer_sgl_flashmla_fp8,
     "vllm_triton_bf16": peer_vllm_triton(False),
     "vllm_triton_fp8": peer_vllm_triton(True),
+}
+
+
+# Where each dense peer reads its query from: the case entries a caller producing q in the timed step
+# (bench_pass --q-producer) writes before each call. "q": [B, H, 576] in q's dtype, read in place;
+# "q_nope" / "q_pe": two contiguous tensors; "q_fp8": [B, H, 576] float8_e4m3fn with ``c["q_scale"]``.
+QUERY_ENTRIES = {
+    "flashmla": ("q",), "sgl_flashmla": ("q",), "vllm_triton_bf16": ("q",), "vllm_triton_fp8": ("q",),
+    "flashinfer_fa2": ("q_nope", "q_pe"), "flashinfer_fa3": ("q_nope", "q_pe"),
+    "flashinfer_fa2_fp8": ("q_nope", "q_pe"), "flashinfer_fa3_fp8": ("q_nope", "q_pe"),
+    "flashmla_fp8": ("q_fp8",), "sgl_flashmla_fp8": ("q_fp8",),
+    "flashmla_sparse_fp8_all": ("q",), "sgl_flashmla_sparse_fp8_all": ("q",),
 }
 
 
