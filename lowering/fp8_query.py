@@ -23,13 +23,15 @@ import torch
 from mla_inductor.backends._common import quantize_query_reference
 
 
-def quantized_query_call(op: Any, plan_op: Any, args: Sequence[Any], with_lse: bool):
+def quantized_query_call(op: Any, plan_op: Any, args: Sequence[Any], with_lse: bool, joined: Any = None):
     """What the pass traces in place of a call (``args``: the op's nine arguments, q_scale last) served by
     ``op``, a backend's ``quantized_query_op``: q's assembly and quantization as aten ops, the backend's
-    plan (taking the e4m3 query's two slices: a plan reads only shapes), then the call."""
+    plan (taking the e4m3 query's two slices: a plan reads only shapes), then the call. ``joined``: the
+    tensor q_nope and q_pe are the halves of, when they are (quantized whole: no concatenation)."""
     q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale = args
     latent = q_nope.shape[-1]
-    q8, q_descale = quantize_query_reference(torch.cat([q_nope, q_pe], dim=-1), q_scale)
+    q = torch.cat([q_nope, q_pe], dim=-1) if joined is None else joined
+    q8, q_descale = quantize_query_reference(q, q_scale)
     plan = []
     if plan_op is not None:
         plan = plan_op(q8.narrow(-1, 0, latent), q8.narrow(-1, latent, q8.shape[-1] - latent), kv_cache, block_table, seq_lens, softmax_scale, kv_scale,

@@ -122,10 +122,11 @@ class PlanOps:
 
 
 def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, constants: dict[int, Any],
-                 node_positions: list[int], check_values: Optional[str] = None):
+                 node_positions: list[int], check_values: Optional[str] = None, joined_query: bool = False):
     """A function of the call's tensor arguments (constants closed over) computing the backend's result
     (``backend`` None: the call attends nothing). ``check_values``: the op's name, to check the arguments'
-    values first (``checks.py``)."""
+    values first (``checks.py``). ``joined_query``: one more argument follows, the tensor q_nope and q_pe
+    are the halves of (``_joined_query``), for a backend that quantizes q to quantize whole."""
     op = plan_op = out_only = quantized = None
     if backend is not None:
         op, plan_op = backend.compiled_op(), backend.plan_op()
@@ -133,6 +134,8 @@ def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, cons
         quantized = backend.quantized_query_op(problem)
 
     def replacement(*tensors):
+        joined = tensors[-1] if joined_query else None
+        tensors = tensors[:len(node_positions)]
         args = [None] * len(OP_ARG_NAMES)
         for i, value in constants.items():
             args[i] = value
@@ -144,7 +147,7 @@ def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, cons
             out, lse = nothing_attended(args[0])
             return (out, lse) if with_lse else out
         if quantized is not None:  # q's assembly and quantization become graph ops (lowering/fp8_query.py)
-            return quantized_query_call(quantized, plan_op, args, with_lse)
+            return quantized_query_call(quantized, plan_op, args, with_lse, joined)
         full = args[:len(DECODE_ARG_NAMES)]  # q_scale serves only backends that quantize q
         plan = plan_op(*full) if plan_op is not None and op is not None else []
         if out_only is not None:
@@ -330,8 +333,38 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
     log_decision(problem, capability, selection, context, notes)
     backend = get_backend(selection.backend)
     ops.note(backend, with_lse)
-    replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values)
-    match.replace_by_example(replacement, [bound[i] for i in node_positions])
+    joined = None
+    if backend.quantized_query_op(problem) is not None and check_values is None:
+        joined = _joined_query(bound[0], bound[1])
+    replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values,
+                               joined_query=joined is not None)
+    match.replace_by_example(replacement, [bound[i] for i in node_positions] + ([joined] if joined else []))
+
+
+def _joined_query(q_nope, q_pe) -> Optional[torch.fx.Node]:
+    """The tensor q_nope and q_pe are the two halves of (``q[..., :L]`` and ``q[..., L:]``), if they are:
+    quantizing it instead of their concatenation leaves the producer's q one reader, so Inductor fuses the
+    producer into the quantization instead of also storing the bf16 q (vLLM passes q this way)."""
+    def last_dim_slice(n):
+        if not (isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.slice.Tensor and len(n.args) >= 4):
+            return None
+        base, dim, start, end = n.args[:4]
+        step = n.args[4] if len(n.args) > 4 else 1
+        val = base.meta.get("val") if isinstance(base, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or step != 1 or dim not in (-1, val.dim() - 1):
+            return None
+        return base, val, start, end
+
+    a, b = last_dim_slice(q_nope), last_dim_slice(q_pe)
+    if a is None or b is None or a[0] is not b[0]:
+        return None
+    base, val, start_a, end_a = a
+    L, width = _fake(q_nope).shape[-1], val.shape[-1]
+    if not (isinstance(L, int) and isinstance(width, int)):
+        return None
+    if start_a != 0 or end_a != L or b[2] != L or b[3] < width or width != L + _fake(q_pe).shape[-1]:
+        return None
+    return base
 
 
 def _hint(size) -> int:

@@ -182,14 +182,16 @@ KERNEL = re.compile(r"^\s+(cpp_fused\w*)\((.*)\)$", re.M)
 DECODE = re.compile(r"torch\.ops\.mla_test\.decode_quantized_query\.default\((\w+),")
 
 
-def test_our_step_fuses_the_quantization_into_the_producer(quantized_query_backend):
-    """``--q-producer rope`` (q_nope and q_pe as two tensors, as mla_inductor.hf passes them): per layer one
-    kernel, reading the producer's inputs and writing only the e4m3 query the op reads; no bf16 q is
+@pytest.mark.parametrize("joined", [False, True], ids=["rope", "rope-joined"])
+def test_our_step_fuses_the_quantization_into_the_producer(quantized_query_backend, joined):
+    """``--q-producer rope`` (q_nope and q_pe as two tensors, as mla_inductor.hf passes them) and
+    ``rope-joined`` (the two halves of one q, as vLLM passes them: the pass quantizes that q whole): per layer
+    one kernel, reading the producer's inputs and writing only the e4m3 query the op reads; no bf16 q is
     allocated, and no other kernel runs."""
     x, layers, q_scale = _case()
     T, H, L = x.q_nope.shape
     width = L + x.q_pe.shape[-1]
-    _, body = _compile_our_step(x, layers, q_scale, joined=False)
+    _, body = _compile_our_step(x, layers, q_scale, joined=joined)
     kernels, decodes = KERNEL.findall(body), DECODE.findall(body)
     assert len(kernels) == LAYERS and len(decodes) == LAYERS, body
     allocated = re.findall(r"empty_strided_cpu\(\((\d+), (\d+), (\d+)\), \([^)]*\), torch\.(\w+)\)", body)
