@@ -1,13 +1,15 @@
 """The only runtime module that names private torch APIs (``lowering/_compat.py`` fences Inductor's).
 
 Each name here is one private API (or one that differs between the torch releases we support, 2.11
-through 2.14) behind a small function, so a torch upgrade that moves one is mended in one place.
+through 2.14) behind a small function, so a torch upgrade that moves one is mended in one place; and the
+one version parser the package's version gates use (``version_tuple``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import itertools
 import logging
 import sys
 from typing import Callable, Iterator
@@ -17,6 +19,13 @@ import torch
 # torch.Tag.cudagraph_unsafe: ops carrying it are run outside CUDA-graph partitions (absent on older torch).
 CUDAGRAPH_UNSAFE_TAGS: tuple = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
+
+def version_tuple(text: str, parts: int = 3) -> tuple[int, ...]:
+    """The first ``parts`` numbers of a version string ("0.6.18.post1" -> (0, 6, 18), "13.0" -> (13, 0, 0),
+    "5.23.0.dev0" -> (5, 23, 0)): each dot-separated piece's leading digits, a local "+..." part ignored.
+    The one version parser of the package (library and CUDA version gates)."""
+    pieces = (text.split("+")[0].split(".") + ["0"] * parts)[:parts]
+    return tuple(int("".join(itertools.takewhile(str.isdigit, p)) or 0) for p in pieces)
 
 def check_value(cond, message: Callable[[], str]) -> None:
     """``torch._check_value``: a guard for backed symbolic sizes, a runtime assert for unbacked ones."""

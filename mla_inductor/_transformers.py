@@ -6,19 +6,12 @@ importing the public HF module, which in turn offers the factory under its old n
 
 from __future__ import annotations
 
+from mla_inductor._compat import version_tuple
+
 # The tested range (pyproject's ``hf`` extra): DeepSeek-style attention caches the latent and calls
 # ``past_key_values.update(kv_nope, k_rot, layer_idx)`` since these releases.
 MIN_TRANSFORMERS = (5, 23)
 MAX_TRANSFORMERS_MAJOR = 5
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """(major, minor) of a version string, ignoring suffixes such as ``.dev0`` or ``rc1``."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
 
 
 def require_transformers():
@@ -29,7 +22,7 @@ def require_transformers():
         raise ImportError(
             "mla_inductor.hf needs Hugging Face transformers 5.x (>= 5.23): pip install 'mla-inductor[hf]'"
         ) from e
-    version = version_tuple(transformers.__version__)
+    version = version_tuple(transformers.__version__, 2)
     if version < MIN_TRANSFORMERS or version[0] > MAX_TRANSFORMERS_MAJOR:
         raise ImportError(
             f"mla_inductor.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, < "

@@ -49,6 +49,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from mla_inductor._compat import version_tuple
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
@@ -78,14 +79,6 @@ __all__ = ["DEEPSEEK_DIMS", "FlashInferTableBackend", "FlashInferWrapperBackend"
 
 # ----------------------------------------------------------------------------- library and device
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 @functools.cache
 def flashinfer_unavailable_reason() -> Optional[str]:
     """None when flashinfer >= 0.6.14 imports and a CUDA device is present, else why not (cached)."""
@@ -94,7 +87,7 @@ def flashinfer_unavailable_reason() -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - a broken install is as unusable as a missing one
         return f"flashinfer is not importable ({type(e).__name__}: {e})"
     version = getattr(flashinfer, "__version__", "0")
-    if _version_tuple(version) < MIN_FLASHINFER_VERSION:
+    if version_tuple(version) < MIN_FLASHINFER_VERSION:
         return f"flashinfer >= {'.'.join(map(str, MIN_FLASHINFER_VERSION))} is needed, found {version}"
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_inductor._compat import version_tuple
 from mla_inductor.backends._common import (
     dims_reason,
     finish_empty_rows,
@@ -43,9 +44,7 @@ _MIN_CUDA = {(12, 0): (12, 8), (12, 1): (12, 9)}  # sm_120a needs CUDA 12.8, sm_
 
 
 def _cuda_version() -> tuple[int, int]:
-    text = torch.version.cuda or "0.0"
-    major, minor = (text.split(".") + ["0"])[:2]
-    return int(major), int(minor)
+    return version_tuple(torch.version.cuda or "0.0", 2)
 
 
 def xqa_supports(problem, capability):
