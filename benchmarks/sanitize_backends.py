@@ -176,10 +176,10 @@ def main() -> int:
         return 0
 
     import mla_inductor  # noqa: F401 - registers the ops
-    from mla_inductor.backends import BACKEND_MODULES, device_capability, get_backend
+    from mla_inductor.backends import device_capability, get_backend, registered_backends
     from mla_inductor.contract import check_decode_args
 
-    names = args.backends.split(",") if args.backends else [n for n in BACKEND_MODULES if get_backend(n).libraries]  # the reference needs no library: not a GPU kernel
+    names = args.backends.split(",") if args.backends else [n for n in registered_backends() if get_backend(n).libraries]  # the reference needs no library: not a GPU kernel
     capability = device_capability(torch.device("cuda"))
     print(f"GPU {torch.cuda.get_device_name()} (SM{capability[0]}{capability[1]}), torch {torch.__version__}",
           flush=True)

@@ -16,14 +16,14 @@ import torch
 import mla_inductor
 from grids import (CASES, INTERPRETER_CASES, build, compiled_decode, one_thread_on_cpu,  # noqa: F401 - a fixture
                    step_args, tolerances, tolerances_for)
-from mla_inductor.backends import BACKEND_MODULES, device_capability, get_backend
+from mla_inductor.backends import device_capability, get_backend, registered_backends
 from mla_inductor.contract import check_decode_args, empty_decode_outputs
 from mla_inductor.testing import backend_call_paths, edge_case_grid, edge_case_inputs, lse_error, relative_error
 from naive import naive_decode
 from poison import poisoned
 from triton_support import needs_triton_on_cpu
 
-GPU_BACKENDS = [name for name in BACKEND_MODULES if name != "reference"]
+GPU_BACKENDS = [name for name in registered_backends() if name != "reference"]
 
 
 def check_against_oracle(x, out, lse, tols, what):
