@@ -1,0 +1,79 @@
+"""A Triton kernel launched again and again with the same grid, scalars and options, at little host cost.
+
+``kernel[grid](*args)`` runs Triton's JIT front door on every launch: it binds every argument, works out
+each one's specialization (dtype, 16-byte alignment of pointers, ints equal to 1 or divisible by 16), turns
+the options into a cache key string and looks the compiled kernel up. For our decode kernel (34 arguments)
+that is most of a short call's host time. ``KernelLaunch`` fixes everything but the tensors when it is made
+(one per call signature: its owner keys it by shapes, strides, dtypes and scalars), so the specialization
+can differ between launches only by pointer alignment. The first launch goes through the JIT (compiling if
+needed); later ones call the compiled kernel's own launcher (``CompiledKernel[grid]``, Triton's interface
+for launching a compiled kernel, the same from Triton 3.3 on: every argument in signature order, constexprs
+included), as long as every pointer is 16-byte aligned like the first launch's and the current device is the
+one the kernel was loaded on. Otherwise the launch goes through the JIT, which handles any case.
+
+The tensors must be the kernel's first parameters; everything after them is fixed (``static_args``). Under
+Triton's interpreter (CPU tensors) every launch goes through the JIT.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def _compiled_kernel_class() -> Optional[type]:
+    try:
+        from triton.compiler import CompiledKernel
+    except Exception:  # noqa: BLE001 - no compiled kernels to relaunch: every launch takes the JIT path
+        return None
+    return CompiledKernel
+
+
+def aligned(tensors: tuple) -> bool:
+    """Whether every tensor's address is a multiple of 16 bytes (what Triton specializes pointers on)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return not bits & 15
+
+
+class KernelLaunch:
+    """``kernel[grid](*tensors, *static_args, **options)``, relaunched through the compiled kernel.
+
+    ``jit_launches`` / ``direct_launches`` count the two paths (tests pin that repeated calls skip the JIT).
+    """
+
+    __slots__ = ("kernel", "grid", "static_args", "options", "compiled", "_runner", "_device", "jit_launches",
+                 "direct_launches")
+
+    def __init__(self, kernel, grid: tuple, static_args: tuple, options: dict):
+        self.kernel = kernel
+        self.grid = grid
+        self.static_args = static_args
+        self.options = options
+        self.compiled: Any = None  # the compiled kernel of the first aligned CUDA launch (register reports)
+        self._runner = None
+        self._device = None
+        self.jit_launches = 0
+        self.direct_launches = 0
+
+    def __call__(self, *tensors):
+        """Launch on ``tensors`` (the kernel's first arguments); returns the compiled kernel where known."""
+        runner = self._runner
+        if runner is not None and aligned(tensors) and torch.cuda.current_device() == self._device:
+            self.direct_launches += 1
+            runner(*tensors, *self.static_args)
+            return self.compiled
+        self.jit_launches += 1
+        compiled = self.kernel[self.grid](*tensors, *self.static_args, **self.options)
+        if runner is None and tensors[0].is_cuda and aligned(tensors):
+            self._keep(compiled)
+        return compiled
+
+    def _keep(self, compiled) -> None:
+        kind = _compiled_kernel_class()
+        if kind is not None and isinstance(compiled, kind):
+            self.compiled = compiled
+            self._device = torch.cuda.current_device()
+            self._runner = compiled[self.grid]
