@@ -496,8 +496,8 @@ def triton_paged_decode(
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns]."""
-    return (torch.empty((T, H, ns, L), dtype=torch.float32, device=device),
-            torch.empty((T, H, ns), dtype=torch.float32, device=device))
+    return (torch.empty(T, H, ns, L, dtype=torch.float32, device=device),
+            torch.empty(T, H, ns, dtype=torch.float32, device=device))
 
 
 def _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
@@ -628,12 +628,12 @@ class DecodeLaunch:
         """``(out [T, H, L], lse [T, H] fp32)`` of a call with the example's signature; ``out`` / ``lse``:
         optional preallocated outputs (contiguous, the contract's dtypes)."""
         if out is None:
-            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+            out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
         elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
             raise ValueError(f"out: expected contiguous {self.out_dtype} {self.out_shape}; got {out.dtype} "
                              f"{tuple(out.shape)}")
         if lse is None:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         elif lse.shape != self.lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
             raise ValueError(f"lse: expected contiguous float32 {self.lse_shape}; got {lse.dtype} {tuple(lse.shape)}")
         if self.nothing:
