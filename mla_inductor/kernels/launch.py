@@ -22,12 +22,22 @@ from typing import Any, Optional
 import torch
 
 
-def _compiled_kernel_class() -> Optional[type]:
+def compiled_kernel_class() -> Optional[type]:
     try:
         from triton.compiler import CompiledKernel
     except Exception:  # noqa: BLE001 - no compiled kernels to relaunch: every launch takes the JIT path
         return None
     return CompiledKernel
+
+
+def on_cuda(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a CUDA device (elsewhere Triton interprets: nothing compiled to relaunch)."""
+    return t.is_cuda
+
+
+def current_device() -> int:
+    """The current CUDA device: the one Triton launches on, and loads a compiled kernel for."""
+    return torch.cuda.current_device()
 
 
 def aligned(tensors: tuple) -> bool:
@@ -61,19 +71,19 @@ class KernelLaunch:
     def __call__(self, *tensors):
         """Launch on ``tensors`` (the kernel's first arguments); returns the compiled kernel where known."""
         runner = self._runner
-        if runner is not None and aligned(tensors) and torch.cuda.current_device() == self._device:
+        if runner is not None and aligned(tensors) and current_device() == self._device:
             self.direct_launches += 1
             runner(*tensors, *self.static_args)
             return self.compiled
         self.jit_launches += 1
         compiled = self.kernel[self.grid](*tensors, *self.static_args, **self.options)
-        if runner is None and tensors[0].is_cuda and aligned(tensors):
+        if runner is None and on_cuda(tensors[0]) and aligned(tensors):
             self._keep(compiled)
         return compiled
 
     def _keep(self, compiled) -> None:
-        kind = _compiled_kernel_class()
+        kind = compiled_kernel_class()
         if kind is not None and isinstance(compiled, kind):
             self.compiled = compiled
-            self._device = torch.cuda.current_device()
+            self._device = current_device()
             self._runner = compiled[self.grid]
