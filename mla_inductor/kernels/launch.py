@@ -87,3 +87,20 @@ class KernelLaunch:
             self.compiled = compiled
             self._device = current_device()
             self._runner = compiled[self.grid]
+
+
+_CACHED: dict[tuple, KernelLaunch] = {}
+_MAX_CACHED = 4096
+
+
+def launch(kernel, grid: tuple, tensors: tuple, static_args: tuple, **options):
+    """``kernel[grid](*tensors, *static_args, **options)`` through the ``KernelLaunch`` of these grid, scalars
+    and options (kept per kernel): for small kernels launched once per call with arguments that follow from
+    the call's shapes (their keys are built per launch, cheaper than the JIT's binding)."""
+    key = (id(kernel), grid, static_args, tuple(options.items()))
+    prepared = _CACHED.get(key)
+    if prepared is None:
+        if len(_CACHED) >= _MAX_CACHED:
+            _CACHED.clear()
+        prepared = _CACHED[key] = KernelLaunch(kernel, grid, static_args, options)
+    return prepared(*tensors)
