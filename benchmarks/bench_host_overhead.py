@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host_overhead.py [--device cpu|cuda] [--calls 61] [--steps 40]
         [--cases 1x128:bf16,32x16:bf16,1x128:fp8_e4m3] [--value-checks off|device] [--profile]
-        [--real] [--out DIR]
+        [--real [--real-only]] [--out DIR]
 
 A no-op backend (``register_backend``, as a user would add one) claims every call and returns
 preallocated outputs, so what is timed is our own host work: the op's dispatch and Python (contract
@@ -406,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--value-checks", choices=("off", "device"), default="off")
     parser.add_argument("--profile", action="store_true", help="print (and keep) a cProfile of each mode")
     parser.add_argument("--real", action="store_true", help="on a GPU: also the real selected backend and the peers")
+    parser.add_argument("--real-only", action="store_true", help="with --real: leave out the no-op backend's rows")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -416,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     progress(environment_line(env))
     noop_rows, real_rows = [], []
     try:
-        for B, H, fmt in args.cases:
+        for B, H, fmt in ([] if args.real and args.real_only else args.cases):
             progress(f"## no-op backend, B={B} H={H} {fmt} on {args.device}")
             noop_rows.append(time_noop_case(B, H, fmt, args))
     finally:
