@@ -16,8 +16,10 @@ products). That is what lets the fp8_ds_mla layout apply its four per-128-value 
 matrix products (exact fp8->bf16 conversion, scale applied to the [BLOCK_H, BLOCK_N] logits and to P),
 and it keeps each accumulator a separate register tile.
 
-Entry point: :func:`triton_paged_decode`. Everything here imports on a CPU-only machine; CPU tensors
-run through Triton's interpreter (slow, for tests only).
+Entry points: :func:`triton_paged_decode` (checks and launches one call), :class:`DecodeLaunch` (a call
+signature prepared once, then launched per call with little host work: what the backend uses).
+Everything here imports on a CPU-only machine; CPU tensors run through Triton's interpreter (slow, for
+tests only).
 """
 from __future__ import annotations
 
