@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host_overhead.py [--device cpu|cuda] [--calls 61] [--steps 40]
         [--cases 1x128:bf16,32x16:bf16,1x128:fp8_e4m3] [--value-checks off|device] [--profile]
-        [--real] [--out DIR]
+        [--real [--real-only]] [--out DIR]
 
 A no-op backend (``register_backend``, as a user would add one) claims every call and returns
 preallocated outputs, so what is timed is our own host work: the op's dispatch and Python (contract
@@ -20,12 +20,16 @@ writes into the graph. For each case, ``--calls`` calls back to back per step (o
 GPU without ``MLA_INDUCTOR_DEBUG``: the data checks CPU calls always make (they read tensor values, which
 is free on CPU and a sync on a GPU) are left out, so the CPU numbers show the host work a GPU call pays;
 ``device`` keeps what the device does (on CPU: the checks every call). ``--profile`` prints the top
-functions of a cProfile of each mode (and keeps them in the JSON), naming where the time goes.
+functions of a cProfile of each mode (and keeps them in the JSON), naming where the time goes: own and
+cumulative µs per op call and calls per op call, by own time (cProfile's overhead inflates them all).
 
 On a GPU, ``--real`` also times the backend the selection picks for real, on a DeepSeek-V3-shaped case
 (S=4096, page 64; ``benchmarks/peers.py``), eager and compiled, and the peers found by import called
 directly with their plan made once (host wall time per call with a device sync per step: at B=1 the
-kernel is short and host time is most of it). ``--out DIR`` writes bench_host_overhead.md / .json.
+kernel is short and host time is most of it). It also lists the device kernels one step launches per
+op call, by name (torch.profiler; columns ``eager launches`` / ``compiled launches``): the attention
+kernel and every extra one (a split-KV merge, a plan's kernels shared by the step's calls, an epilogue).
+``--out DIR`` writes bench_host_overhead.md / .json.
 """
 
 from __future__ import annotations
@@ -193,17 +197,52 @@ def us_per_call(run: Callable[[], object], calls: int, steps: int, before: Calla
     return statistics.median(times) * 1e6 / calls
 
 
-def profile_of(run: Callable[[], object], before: Callable[[], None], steps: int, top: int = 18) -> str:
-    """The top functions (by own time) of a cProfile over ``steps`` steps."""
+def _where(file: str, line: int, name: str) -> str:
+    """A profile entry's function, its file named from the package or library it belongs to."""
+    if file == "~":
+        return name  # a built-in
+    parts = file.replace("\\", "/").split("/")
+    for root in ("mla_inductor", "torch", "triton", "flashinfer", "flash_mla", "vllm", "benchmarks"):
+        if root in parts:
+            parts = parts[len(parts) - parts[::-1].index(root) - 1:]
+            break
+    else:
+        parts = parts[-1:]
+    return f"{'/'.join(parts)}:{line}({name})"
+
+
+def profile_of(run: Callable[[], object], before: Callable[[], None], steps: int, calls: int, top: int = 18) -> str:
+    """The top functions of a cProfile over ``steps`` steps, by own time, as µs per op call (cProfile's own
+    overhead inflates every number about alike: compare the rows, not with the timings above)."""
     profiler = cProfile.Profile()
     for _ in range(steps):
         before()
         profiler.enable()
         run()
         profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    stats = pstats.Stats(profiler).stats
+    per_call = steps * calls
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    lines = [f"{'own us/call':>11} {'cum us/call':>11} {'calls/call':>10}  function"]
+    for (file, line, name), (_, ncalls, own, cumulative, _) in rows:
+        lines.append(f"{own * 1e6 / per_call:11.2f} {cumulative * 1e6 / per_call:11.2f} {ncalls / per_call:10.2f}  "
+                     f"{_where(file, line, name)}")
+    return "\n".join(lines)
+
+
+def kernels_per_call(run: Callable[[], object], before: Callable[[], None], calls: int) -> dict[str, float]:
+    """The device kernels (and copies) one step launches, per op call, by name (torch.profiler, one step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    counts: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts[event.name[:90]] = counts.get(event.name[:90], 0) + 1 / calls
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 @contextlib.contextmanager
@@ -261,7 +300,7 @@ def time_noop_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
                 us = us_per_call(run, args.calls, args.steps, before, sync)
                 row[prefix + mode] = us
                 if args.profile and mode != "direct":
-                    profiles[prefix + mode] = profile_of(run, before, max(3, args.steps // 4))
+                    profiles[prefix + mode] = profile_of(run, before, max(3, args.steps // 4), args.calls)
             for mode in ("eager", "compiled"):
                 row[f"{prefix}{mode} overhead"] = row[prefix + mode] - row[prefix + "direct"]
             progress(f"  {prefix or 'plain '}: direct {row[prefix + 'direct']:.2f}  eager {row[prefix + 'eager']:.2f}  "
@@ -325,11 +364,16 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
     for mode in ("eager", "compiled"):
         row[f"{mode} ratio"] = row[mode] / row["peer"] if row.get("peer") else None
     progress(f"  ours on {row['backend']}: eager {row['eager']:.1f}, compiled {row['compiled']:.1f} us/call")
+    modes = {"eager": lambda: eager(*op_args), "compiled": lambda: compiled(*op_args)}
+    row["kernels per call"] = {mode: kernels_per_call(run, before, args.calls) for mode, run in modes.items()}
+    for mode, kernels in row["kernels per call"].items():
+        row[f"{mode} launches"] = round(sum(kernels.values()), 2)
+        progress(f"--- device kernels per call, real {row['case']}, {mode}: " +
+                 "; ".join(f"{n:g} x {name}" for name, n in kernels.items()))
     if args.profile:
-        row["profiles"] = {"eager": profile_of(lambda: eager(*op_args), before, 5),
-                           "compiled": profile_of(lambda: compiled(*op_args), before, 5)}
+        row["profiles"] = {mode: profile_of(run, before, 5, args.calls) for mode, run in modes.items()}
         for mode, text in row["profiles"].items():
-            progress(f"--- cProfile, real {row['case']}, {mode}\n{text}")
+            progress(f"--- cProfile, real {row['case']}, {mode} ({args.calls} calls per step)\n{text}")
     torch.compiler.reset()
     return row
 
@@ -338,7 +382,8 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
 
 NOOP_COLUMNS = ["case", "direct", "eager", "eager overhead", "compiled", "compiled overhead", "planned direct",
                 "planned eager", "planned eager overhead", "planned compiled", "planned compiled overhead"]
-REAL_COLUMNS = ["case", "backend", "best peer", "peer", "eager", "eager ratio", "compiled", "compiled ratio"]
+REAL_COLUMNS = ["case", "backend", "best peer", "peer", "eager", "eager ratio", "compiled", "compiled ratio",
+                "eager launches", "compiled launches"]
 
 
 def markdown(noop_rows: list, real_rows: list, env: dict, args) -> str:
@@ -361,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--value-checks", choices=("off", "device"), default="off")
     parser.add_argument("--profile", action="store_true", help="print (and keep) a cProfile of each mode")
     parser.add_argument("--real", action="store_true", help="on a GPU: also the real selected backend and the peers")
+    parser.add_argument("--real-only", action="store_true", help="with --real: leave out the no-op backend's rows")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -371,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     progress(environment_line(env))
     noop_rows, real_rows = [], []
     try:
-        for B, H, fmt in args.cases:
+        for B, H, fmt in ([] if args.real and args.real_only else args.cases):
             progress(f"## no-op backend, B={B} H={H} {fmt} on {args.device}")
             noop_rows.append(time_noop_case(B, H, fmt, args))
     finally:

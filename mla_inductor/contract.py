@@ -230,6 +230,24 @@ def check_decode_args(
     )
 
 
+def _meta(t) -> Optional[tuple]:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def call_signature(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None,
+                   q_scale=None) -> tuple:
+    """Everything about a decode call that ``check_decode_args`` reads, as a key: shapes, strides, dtypes and
+    devices of every tensor, and softmax_scale with its type (an int is valid too; a NaN never equals a
+    stored key). Calls with equal signatures differ only in their tensors' addresses and contents, so what
+    the checks and a backend decide from one holds for all: eager calls and backends cache by it. Assumes
+    tensors where the schema has them (the dispatcher checked): AttributeError otherwise."""
+    return (q_nope.shape, q_nope.stride(), q_nope.dtype, q_nope.device, q_pe.shape, q_pe.stride(), q_pe.dtype,
+            q_pe.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, block_table.shape,
+            block_table.stride(), block_table.dtype, block_table.device, seq_lens.shape, seq_lens.stride(),
+            seq_lens.dtype, seq_lens.device, type(softmax_scale), softmax_scale, _meta(kv_scale),
+            _meta(sparse_indices), _meta(q_scale))
+
+
 def debug_checks_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
 
@@ -313,7 +331,10 @@ def attends_nothing(q_nope, kv_cache, block_table, sparse_indices=None) -> bool:
     """Whether the call's static sizes leave no key for any row: no query rows (B = 0), no cache slots,
     a zero-width block table, or K = 0 sparse slots. Symbolic sizes count as nonzero."""
     width = block_table.shape[1] if sparse_indices is None else sparse_indices.shape[1]
-    return any(_static_int(n) == 0 for n in (q_nope.shape[0], kv_cache.shape[0], kv_cache.shape[1], width))
+    rows, (pages, page_size) = q_nope.shape[0], kv_cache.shape[:2]
+    if type(rows) is int and type(pages) is int and type(page_size) is int and type(width) is int:
+        return not (rows and pages and page_size and width)  # real tensors (every eager and runtime call)
+    return any(_static_int(n) == 0 for n in (rows, pages, page_size, width))
 
 
 def nothing_attended(q_nope: Tensor) -> tuple[Tensor, Tensor]:

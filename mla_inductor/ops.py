@@ -24,6 +24,7 @@ from mla_inductor.contract import (
     assert_append_values_on_device,
     assert_decode_values_on_device,
     attends_nothing,
+    call_signature,
     check_append_args,
     check_append_values,
     check_decode_args,
@@ -72,25 +73,10 @@ class _EagerCall:
         self.run = run  # the contract's nine arguments -> (out, lse), or out alone for mla.paged_decode
 
 
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _signature(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-    """What the argument checks read, as a key. The dispatcher has checked the schema's types (tensors, a
-    float), so the attributes exist. softmax_scale's value is checked (finite): it is part of the key, with
-    its type (an int is valid too); a NaN never equals a stored key."""
-    return (q_nope.shape, q_nope.stride(), q_nope.dtype, q_nope.device, q_pe.shape, q_pe.stride(), q_pe.dtype,
-            q_pe.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, block_table.shape,
-            block_table.stride(), block_table.dtype, block_table.device, seq_lens.shape, seq_lens.stride(),
-            seq_lens.dtype, seq_lens.device, type(softmax_scale), softmax_scale, _meta(kv_scale),
-            _meta(sparse_indices), _meta(q_scale))
-
-
 def _eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
     """What this call's signature decided, decided now if it is new (bad arguments raise here, every call)."""
     try:
-        signature = _signature(*args)
+        signature = call_signature(*args)
     except AttributeError:  # not through the dispatcher: the checks name the argument of the wrong type
         check_decode_args(*args, op=op)
         raise

@@ -88,8 +88,9 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     fake = fake or _DEFAULT_FAKES[returns]
     arity = len(DECODE_ARG_NAMES) + takes_plan
 
-    def full(*args):  # the dispatcher leaves out a defaulted sparse_indices
-        args = (*args, *([None] * (arity - len(args))))
+    def full(*args):
+        if len(args) < arity:  # the dispatcher leaves out a defaulted sparse_indices
+            args = (*args, *([None] * (arity - len(args))))
         if attends_nothing(args[0], args[2], args[3], args[7]):
             return _empty_call_result(returns, fake, args)
         return impl(*args)

@@ -327,9 +327,9 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
     if entry is None:
         raise RuntimeError(f"mla_flashinfer::run_{fi_backend}: no plan for this configuration ({key}); "
                            f"the plan op must run first")
-    L = q_nope.shape[-1]
-    cache = kv_cache if sparse_indices is None else kv_cache.reshape(-1, 1, kv_cache.shape[-1])
-    ckv, kpe = cache[..., :L], cache[..., L:]
+    L, width = q_nope.shape[-1], kv_cache.shape[-1]
+    cache = kv_cache if sparse_indices is None else kv_cache.reshape(-1, 1, width)
+    ckv, kpe = cache.split_with_sizes((L, width - L), 2)  # one op for both views
     out, lse = empty_decode_outputs(q_nope)
     scales = {}
     if kv_cache.dtype == torch.float8_e4m3fn:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import decode_op, sm
+from mla_inductor.contract import call_signature
 
 SUPPORTED_L = (256, 512)
 SUPPORTED_R = (32, 64)
@@ -23,13 +24,31 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# The prepared launches (kernels/decode.py ``DecodeLaunch``) per call signature: checks, launch configuration and
+# kernel arguments are worked out once, and the kernels relaunched without Triton's JIT front door.
+_LAUNCHES: dict[tuple, object] = {}
+_MAX_SIGNATURES = 4096
+
+
+def prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
+    """The ``DecodeLaunch`` of this call's signature (``contract.call_signature``), made on its first call."""
+    key = call_signature(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        from mla_inductor.kernels.decode import DecodeLaunch
+
+        launch = DecodeLaunch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+        if len(_LAUNCHES) >= _MAX_SIGNATURES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+    return launch
+
+
 def _run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
     """``mla.paged_decode_with_lse`` on our Triton kernel (``plan`` is unused: the split count is chosen
     from static shapes, so nothing is planned per step)."""
-    from mla_inductor.kernels.decode import triton_paged_decode
-
-    return triton_paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                               sparse_indices)
+    launch = prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+    return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices)
 
 
 DECODE_OP = decode_op("mla_triton::decode", _run)
@@ -66,6 +85,19 @@ class TritonBackend(Backend):
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return DECODE_OP(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
+
+    def eager_decode(self, problem, args, with_lse):
+        # The launch is prepared from the signature's example call; each call only allocates and launches
+        # (ops.py has checked the signature and that the call attends something).
+        from mla_inductor.kernels.decode import DecodeLaunch
+
+        launch = DecodeLaunch(*args[:8])
+
+        def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
+            out, lse = launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices)
+            return (out, lse) if with_lse else out
+
+        return decode
 
     def append_supports(self, device_type, capability):
         return None if device_type == "cuda" else f"writes caches on CUDA only, got {device_type}"

@@ -5,6 +5,8 @@
 - ``fp8_query``: per-tensor e4m3 quantization of a query on the device.
 - ``empty_rows``: the epilogue giving rows that see no key out 0 and lse -inf.
 - ``merge_attn_states``: merges partial attention results by their LSE (``mla.merge_attn_states(_n)`` on CUDA).
+- ``launch``: relaunches a compiled kernel with little host work (``KernelLaunch``), for kernels launched
+  once per call with arguments fixed by the call's shapes.
 
 Each module imports triton at its top: import them only where a kernel is about to run.
 """

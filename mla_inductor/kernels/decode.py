@@ -16,8 +16,10 @@ products). That is what lets the fp8_ds_mla layout apply its four per-128-value 
 matrix products (exact fp8->bf16 conversion, scale applied to the [BLOCK_H, BLOCK_N] logits and to P),
 and it keeps each accumulator a separate register tile.
 
-Entry point: :func:`triton_paged_decode`. Everything here imports on a CPU-only machine; CPU tensors
-run through Triton's interpreter (slow, for tests only).
+Entry points: :func:`triton_paged_decode` (checks and launches one call), :class:`DecodeLaunch` (a call
+signature prepared once, then launched per call with little host work: what the backend uses).
+Everything here imports on a CPU-only machine; CPU tensors run through Triton's interpreter (slow, for
+tests only).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ except Exception:  # pragma: no cover - triton is a hard dependency in practice
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["triton_paged_decode", "DecodeConfig", "choose_config", "FP8_DS_MLA_ROW_BYTES"]
+__all__ = ["triton_paged_decode", "DecodeConfig", "DecodeLaunch", "choose_config", "FP8_DS_MLA_ROW_BYTES"]
 
 FP8_DS_MLA_ROW_BYTES = FP8_DS_MLA_TOKEN_BYTES  # 512 e4m3 latent + 4 fp32 scales + 64 bf16 rope
 _SUPPORTED_L = (256, 512)
@@ -496,8 +498,8 @@ def triton_paged_decode(
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns]."""
-    return (torch.empty((T, H, ns, L), dtype=torch.float32, device=device),
-            torch.empty((T, H, ns), dtype=torch.float32, device=device))
+    return (torch.empty(T, H, ns, L, dtype=torch.float32, device=device),
+            torch.empty(T, H, ns, dtype=torch.float32, device=device))
 
 
 def _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
@@ -507,135 +509,174 @@ def _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_sc
     Tests run the interpreter at small L (a power of two, multiple of 4) and R to stay fast; the kernel
     itself is generic in them. On GPU, L/4 and R must be at least 16 (tl.dot's minimum).
     """
-    if q_nope.dim() != 3 or q_pe.dim() != 3:
-        raise ValueError(f"q_nope and q_pe must be [T, H, D]; got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}")
-    T, H, L = q_nope.shape
-    R = q_pe.shape[2]
-    if L % 4 or _next_pow2(L) != L or _next_pow2(R) != R:
-        raise ValueError(f"q_nope/q_pe: L={L} and R={R} must be powers of two (L a multiple of 4)")
-    kv_mode = _kv_mode(kv_cache, L, R)
-    if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
-        raise ValueError("q_nope / q_pe: last dimension must be contiguous")
-    if q_nope.dtype != q_pe.dtype or q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q_nope/q_pe: dtypes {q_nope.dtype}/{q_pe.dtype} must match and be fp16, bf16 or fp32")
-    if kv_mode == _KV_FP8 and kv_scale is None:
-        raise ValueError("kv_scale: required for a float8_e4m3fn kv_cache")
-    if kv_cache.stride(2) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
-        raise ValueError("kv_cache: rows must be contiguous and pages densely packed ([P, page, row] view)")
-    device = q_nope.device
-    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    if page_size < 1:
-        raise ValueError(f"kv_cache: page_size {page_size} must be >= 1")
-    if out is None:
-        out = torch.empty((T, H, L), dtype=q_nope.dtype, device=device)
-    elif out.shape != (T, H, L) or out.dtype != q_nope.dtype or not out.is_contiguous():
-        raise ValueError(f"out: expected contiguous {q_nope.dtype} {(T, H, L)}; got {out.dtype} {tuple(out.shape)}")
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=device)
-    elif lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse: expected contiguous float32 {(T, H)}; got {lse.dtype} {tuple(lse.shape)}")
-    if T == 0 or H == 0:
-        return out, lse
+    launch = DecodeLaunch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                          config)
+    return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, out, lse)
 
-    if sparse_indices is not None:
-        if sparse_indices.dim() != 2 or sparse_indices.shape[0] != T:
-            raise ValueError(f"sparse_indices: expected [T={T}, K]; got {tuple(sparse_indices.shape)}")
-        if sparse_indices.dtype != torch.int32:
-            raise ValueError(f"sparse_indices: dtype must be int32, got {sparse_indices.dtype}")
-        if sparse_indices.stride(1) != 1:
-            sparse_indices = sparse_indices.contiguous()
-        topk = sparse_indices.shape[1]
-        kv_len_hint = topk
-        q_per_seq = 1
-        bt, sl, sp = kv_cache, kv_cache, sparse_indices  # bt/sl unused: any tensor pointer will do
-        stride_bt = 0
-        if topk == 0:
+
+class DecodeLaunch:
+    """The decode of one call signature, prepared once: what a call costs on the host is its outputs'
+    allocation and the launches.
+
+    A signature is everything but the tensors' addresses and contents: shapes, strides, dtypes and devices
+    of every argument, softmax_scale and the launch configuration. Made from an example call, it checks the
+    arguments (the checks that read no data), chooses the configuration, computes the kernels' scalar
+    arguments and grid, and holds one ``KernelLaunch`` per kernel (the decode, and the merge of the split-KV
+    partials where the sequence is split), which relaunch the compiled kernels without Triton's JIT front
+    door. Each later call must have the example's signature: the caller keys instances by it (the Triton
+    backend: ``contract.call_signature``). Launches per call: one, or two where the sequence is split.
+    """
+
+    def __init__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                 sparse_indices=None, config: Optional[DecodeConfig] = None):
+        if q_nope.dim() != 3 or q_pe.dim() != 3:
+            raise ValueError(f"q_nope and q_pe must be [T, H, D]; got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}")
+        T, H, L = q_nope.shape
+        R = q_pe.shape[2]
+        if L % 4 or _next_pow2(L) != L or _next_pow2(R) != R:
+            raise ValueError(f"q_nope/q_pe: L={L} and R={R} must be powers of two (L a multiple of 4)")
+        kv_mode = _kv_mode(kv_cache, L, R)
+        if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+            raise ValueError("q_nope / q_pe: last dimension must be contiguous")
+        if q_nope.dtype != q_pe.dtype or q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"q_nope/q_pe: dtypes {q_nope.dtype}/{q_pe.dtype} must match and be fp16, bf16 or fp32")
+        if kv_mode == _KV_FP8 and kv_scale is None:
+            raise ValueError("kv_scale: required for a float8_e4m3fn kv_cache")
+        if kv_cache.stride(2) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+            raise ValueError("kv_cache: rows must be contiguous and pages densely packed ([P, page, row] view)")
+        P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+        if page_size < 1:
+            raise ValueError(f"kv_cache: page_size {page_size} must be >= 1")
+        if kv_scale is not None and kv_scale.numel() != 1:
+            raise ValueError(f"kv_scale: expected one element, got {kv_scale.numel()}")
+        self.out_shape, self.lse_shape = (T, H, L), (T, H)
+        self.out_dtype, self.device = q_nope.dtype, q_nope.device
+        self.sparse = sparse_indices is not None
+        self.ds = kv_mode == _KV_DS
+        # Decided by the signature: whether the call launches at all, and which inputs need a copy or a view.
+        self.nothing = T == 0 or H == 0
+        self.nothing_attended = False
+        self.table_copy = self.indices_copy = False
+        self.kv_scale_view = kv_scale is not None and (tuple(kv_scale.shape) != (1,) or kv_scale.dtype != torch.float32)
+        self.main = self.merge = None
+        if self.nothing:
+            return
+        if self.sparse:
+            if sparse_indices.dim() != 2 or sparse_indices.shape[0] != T:
+                raise ValueError(f"sparse_indices: expected [T={T}, K]; got {tuple(sparse_indices.shape)}")
+            if sparse_indices.dtype != torch.int32:
+                raise ValueError(f"sparse_indices: dtype must be int32, got {sparse_indices.dtype}")
+            self.indices_copy = sparse_indices.stride(1) != 1
+            topk = sparse_indices.shape[1]
+            kv_len_hint, q_per_seq, stride_bt = topk, 1, 0
+            stride_sp = sparse_indices.contiguous().stride(0) if self.indices_copy else sparse_indices.stride(0)
+            self.nothing_attended = topk == 0
+            if self.nothing_attended:
+                return
+        else:
+            if block_table.dim() != 2 or block_table.dtype != torch.int32:
+                raise ValueError(f"block_table: expected int32 [B, max_pages]; got {block_table.dtype} "
+                                 f"{tuple(block_table.shape)}")
+            if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0] or seq_lens.dtype != torch.int32:
+                raise ValueError(f"seq_lens: expected int32 [B={block_table.shape[0]}]; got {seq_lens.dtype} "
+                                 f"{tuple(seq_lens.shape)}")
+            B = block_table.shape[0]
+            if B == 0 or T % B != 0:
+                raise ValueError(f"q_nope: T={T} must be a multiple of the batch size B={B}")
+            q_per_seq, topk = T // B, 0
+            self.table_copy = block_table.stride(1) != 1
+            stride_bt = block_table.contiguous().stride(0) if self.table_copy else block_table.stride(0)
+            stride_sp = stride_bt  # the dense kernel is handed the block table as its (unread) index tensor
+            # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
+            kv_len_hint = max(1, block_table.shape[1] * page_size)
+        cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
+        emulate = self.device.type != "cuda"
+        self.kernel_scalars = (
+            float(softmax_scale) * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(1), stride_bt, stride_sp, P * page_size, H, q_per_seq, topk)
+        self.kernel_constants = dict(
+            L=L, R=R, PAGE_SIZE=page_size, KV_MODE=kv_mode, IS_SPARSE=self.sparse,
+            DOT_PREC="ieee" if (q_nope.dtype == torch.float32 or emulate) else "tf32", EMULATE=emulate)
+        self._use(cfg)
+
+    def _use(self, cfg: DecodeConfig) -> None:
+        """Prepare the launches of configuration ``cfg``."""
+        from mla_inductor.kernels.launch import KernelLaunch
+
+        self.config = cfg
+        T, H, L = self.out_shape
+        c = self.kernel_constants
+        ns = max(1, int(cfg.num_splits))
+        fp8_qk = cfg.fp8_qk
+        if fp8_qk == "auto":
+            fp8_qk = "reload" if cfg.block_h < 64 else "trans"
+        if c["KV_MODE"] == _KV_PLAIN and fp8_qk == "reload":
+            fp8_qk = "trans"
+        fp16_mma = c["KV_MODE"] == _KV_FP8 and (cfg.fp16_mma is None or cfg.fp16_mma)
+        constants = (c["L"], c["R"], c["PAGE_SIZE"], cfg.block_h, cfg.block_n, ns, c["KV_MODE"], c["IS_SPARSE"],
+                     c["DOT_PREC"], c["EMULATE"], fp8_qk == "reload", fp8_qk == "swap", fp16_mma)
+        grid = (T * ns * triton.cdiv(H, cfg.block_h),)
+        self.splits = ns
+        self.main = KernelLaunch(_kernel_for(_mla_decode_kernel, self.device), grid,
+                                 self.kernel_scalars + constants, dict(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.num_stages))
+        self.merge = None
+        if ns > 1:
+            self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H,),
+                                      (ns, L, _next_pow2(ns)), dict(num_warps=4))
+
+    def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
+                 lse=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(out [T, H, L], lse [T, H] fp32)`` of a call with the example's signature; ``out`` / ``lse``:
+        optional preallocated outputs (contiguous, the contract's dtypes)."""
+        if out is None:
+            out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
+        elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
+            raise ValueError(f"out: expected contiguous {self.out_dtype} {self.out_shape}; got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        if lse is None:
+            lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
+        elif lse.shape != self.lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
+            raise ValueError(f"lse: expected contiguous float32 {self.lse_shape}; got {lse.dtype} {tuple(lse.shape)}")
+        if self.nothing:
+            return out, lse
+        if self.nothing_attended:
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
-    else:
-        if block_table.dim() != 2 or block_table.dtype != torch.int32:
-            raise ValueError(f"block_table: expected int32 [B, max_pages]; got {block_table.dtype} "
-                             f"{tuple(block_table.shape)}")
-        if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0] or seq_lens.dtype != torch.int32:
-            raise ValueError(f"seq_lens: expected int32 [B={block_table.shape[0]}]; got {seq_lens.dtype} "
-                             f"{tuple(seq_lens.shape)}")
-        B = block_table.shape[0]
-        if B == 0 or T % B != 0:
-            raise ValueError(f"q_nope: T={T} must be a multiple of the batch size B={B}")
-        q_per_seq = T // B
-        if block_table.stride(1) != 1:
-            block_table = block_table.contiguous()
-        topk = 0
-        # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
-        kv_len_hint = max(1, block_table.shape[1] * page_size)
-        bt, sl, sp = block_table, seq_lens, block_table
-        stride_bt = block_table.stride(0)
+        if self.sparse:
+            sp = sparse_indices.contiguous() if self.indices_copy else sparse_indices
+            bt = sl = kv_cache  # unused by the sparse kernel: any tensor pointer will do
+        else:
+            bt = sp = block_table.contiguous() if self.table_copy else block_table
+            sl = seq_lens
+        # Both fp8 layouts are read through an e4m3 pointer (ds rows: byte offsets == element offsets).
+        kv = kv_cache.view(torch.float8_e4m3fn) if self.ds else kv_cache
+        if kv_scale is None:
+            kv_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+        elif self.kv_scale_view:
+            kv_scale = kv_scale.reshape(1).float()
+        if self.merge is not None:
+            T, H, L = self.out_shape
+            pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
+        else:
+            pout, plse = out, lse  # unused
+        self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse)
+        if self.merge is not None:
+            self.merge(pout, plse, out, lse)
+        return out, lse
 
-    if kv_scale is None:
-        kv_scale_t = torch.ones(1, dtype=torch.float32, device=device)
-    else:
-        if kv_scale.numel() != 1:
-            raise ValueError(f"kv_scale: expected one element, got {kv_scale.numel()}")
-        kv_scale_t = kv_scale.reshape(1)
-        if kv_scale_t.dtype != torch.float32:
-            kv_scale_t = kv_scale_t.float()
-
-    cfg = config or choose_config(T, H, kv_len_hint, kv_mode, device)
-    # Both fp8 layouts are read through an e4m3 pointer (ds rows: byte offsets == element offsets).
-    kv = kv_cache.view(torch.float8_e4m3fn) if kv_mode == _KV_DS else kv_cache
-    stride_row = kv_cache.stride(1)
-    num_slots = P * page_size
-    hb = triton.cdiv(H, cfg.block_h)
-    ns = max(1, int(cfg.num_splits))
-    if ns > 1:
-        pout, plse = _alloc_partials(T, H, ns, L, device)
-    else:
-        pout, plse = out, lse  # unused
-
-    emulate = device.type != "cuda"
-    dot_prec = "ieee" if (q_nope.dtype == torch.float32 or emulate) else "tf32"
-    fp8_qk = cfg.fp8_qk
-    if fp8_qk == "auto":
-        fp8_qk = "reload" if cfg.block_h < 64 else "trans"
-    if kv_mode == _KV_PLAIN and fp8_qk == "reload":
-        fp8_qk = "trans"
-    fp16_mma = kv_mode == _KV_FP8 and (cfg.fp16_mma is None or cfg.fp16_mma)
-    global _LAST_COMPILED
-    kern = _kernel_for(_mla_decode_kernel, device)
-    while True:
-        try:
-            _LAST_COMPILED = _launch(kern, cfg, ns, hb, fp8_qk, fp16_mma, q_nope, q_pe, kv, bt, sl, sp, kv_scale_t, out,
-                                     lse, pout, plse, softmax_scale, stride_row, stride_bt, num_slots, H, q_per_seq,
-                                     topk, L, R, page_size, kv_mode, sparse_indices is not None, dot_prec, emulate)
-            break
-        except Exception as e:  # noqa: BLE001
-            # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
-            # defaults were tuned on): halve BLOCK_N and retry; the result does not depend on it.
-            if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
-                raise
-            cfg = DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
-                               cfg.fp8_qk, cfg.fp16_mma)
-    if ns > 1:
-        merge = _kernel_for(_mla_merge_kernel, device)
-        merge[(T * H,)](pout, plse, out, lse, ns, L=L, BLOCK_S=_next_pow2(ns), num_warps=4)
-    return out, lse
-
-
-def _launch(kern, cfg, ns, hb, fp8_qk, fp16_mma, q_nope, q_pe, kv, bt, sl, sp, kv_scale_t, out, lse, pout, plse,
-            softmax_scale, stride_row, stride_bt, num_slots, H, q_per_seq, topk, L, R, page_size, kv_mode, is_sparse,
-            dot_prec, emulate):
-    T = q_nope.shape[0]
-    return kern[(T * ns * hb,)](
-        q_nope, q_pe, kv, bt, sl, sp, kv_scale_t,
-        out, lse, pout, plse,
-        float(softmax_scale) * _LOG2E,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        stride_row, stride_bt, sp.stride(0),
-        num_slots, H, q_per_seq, topk,
-        L=L, R=R, PAGE_SIZE=page_size,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=ns,
-        KV_MODE=kv_mode, IS_SPARSE=is_sparse, DOT_PREC=dot_prec, EMULATE=emulate,
-        TRANS_LOAD=fp8_qk == "reload", SWAP_QK=fp8_qk == "swap", FP16_MMA=fp16_mma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    def _launch_main(self, *tensors) -> None:
+        global _LAST_COMPILED
+        while True:
+            try:
+                _LAST_COMPILED = self.main(*tensors)
+                return
+            except Exception as e:  # noqa: BLE001
+                # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
+                # defaults were tuned on): halve BLOCK_N and retry; the result does not depend on it.
+                cfg = self.config
+                if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
+                    raise
+                self._use(DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
+                                       cfg.fp8_qk, cfg.fp16_mma))

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_inductor.kernels.launch import launch
+
 BLOCK = 1024
 
 
@@ -52,8 +54,8 @@ def finish_rows(out: torch.Tensor, lse: Optional[torch.Tensor], counts: torch.Te
     src = lse_src if copy else out
     strides = lse_src.stride() if copy else (0, 0, 0)
     Q = lse_src.shape[1] if copy else 1
-    _finish_rows_kernel[(T,)](out, lse if has_lse else out, counts, src, H * L, H, Q, *strides, HAS_LSE=has_lse,
-                              COPY_LSE=copy, ZERO_OUT=zero_out, BLOCK=BLOCK, BLOCK_H=triton.next_power_of_2(H))
+    launch(_finish_rows_kernel, (T,), (out, lse if has_lse else out, counts, src),
+           (H * L, H, Q, *strides, has_lse, copy, zero_out, BLOCK, triton.next_power_of_2(H)))
 
 
 def zero_empty_rows(out: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor) -> None:

@@ -18,6 +18,9 @@ import triton
 import triton.language as tl
 
 from mla_inductor.cache import FP8_E4M3_MAX
+from mla_inductor.kernels.launch import launch
+
+_FP32_TINY = torch.finfo(torch.float32).tiny
 
 # Measured ad hoc on the H100 (CUDA-graph replays of the two kernels, not a repo benchmark): 2048-value blocks are best for small
 # queries (B=1, H=128: 4.0 vs 5.1 us with 4096), 8192 with 8 warps for large ones (B=64: 8.5 vs 8.7 us).
@@ -40,7 +43,7 @@ def _absmax_kernel(X, PARTIAL, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scaled_cast_kernel(X, Y, PARTIAL, NUM_PARTIALS, DESCALE, N, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+def _scaled_cast_kernel(X, Y, PARTIAL, DESCALE, NUM_PARTIALS, N, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
                         BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     amax = tl.zeros((CHUNK,), dtype=tl.float32)
@@ -65,10 +68,9 @@ def quantize_per_tensor_e4m3(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     partial = torch.empty(blocks, dtype=torch.float32, device=q.device)
     descale = torch.empty(1, dtype=torch.float32, device=q.device)
     q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    _absmax_kernel[(blocks,)](q, partial, n, BLOCK=block, num_warps=warps)
-    _scaled_cast_kernel[(blocks,)](q, q8, partial, blocks, descale, n, FP8_MAX=FP8_E4M3_MAX,
-                                   TINY=torch.finfo(torch.float32).tiny, BLOCK=block, CHUNK=PARTIALS_CHUNK,
-                                   num_warps=warps)
+    launch(_absmax_kernel, (blocks,), (q, partial), (n, block), num_warps=warps)
+    launch(_scaled_cast_kernel, (blocks,), (q, q8, partial, descale),
+           (blocks, n, FP8_E4M3_MAX, _FP32_TINY, block, PARTIALS_CHUNK), num_warps=warps)
     return q8, descale
 
 
@@ -90,6 +92,6 @@ def quantize_with_descale_e4m3(q: torch.Tensor, descale: torch.Tensor) -> tuple[
     block, warps = _launch_config(n)
     descale = descale.reshape(1)
     q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    _cast_with_descale_kernel[(max(triton.cdiv(n, block), 1),)](q, q8, descale, n, FP8_MAX=FP8_E4M3_MAX, BLOCK=block,
-                                                                 num_warps=warps)
+    launch(_cast_with_descale_kernel, (max(triton.cdiv(n, block), 1),), (q, q8, descale), (n, FP8_E4M3_MAX, block),
+           num_warps=warps)
     return q8, descale

@@ -1,0 +1,106 @@
+"""A Triton kernel launched again and again with the same grid, scalars and options, at little host cost.
+
+``kernel[grid](*args)`` runs Triton's JIT front door on every launch: it binds every argument, works out
+each one's specialization (dtype, 16-byte alignment of pointers, ints equal to 1 or divisible by 16), turns
+the options into a cache key string and looks the compiled kernel up. For our decode kernel (34 arguments)
+that is most of a short call's host time. ``KernelLaunch`` fixes everything but the tensors when it is made
+(one per call signature: its owner keys it by shapes, strides, dtypes and scalars), so the specialization
+can differ between launches only by pointer alignment. The first launch goes through the JIT (compiling if
+needed); later ones call the compiled kernel's own launcher (``CompiledKernel[grid]``, Triton's interface
+for launching a compiled kernel, the same from Triton 3.3 on: every argument in signature order, constexprs
+included), as long as every pointer is 16-byte aligned like the first launch's and the current device is the
+one the kernel was loaded on. Otherwise the launch goes through the JIT, which handles any case.
+
+The tensors must be the kernel's first parameters; everything after them is fixed (``static_args``). Under
+Triton's interpreter (CPU tensors) every launch goes through the JIT.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def compiled_kernel_class() -> Optional[type]:
+    try:
+        from triton.compiler import CompiledKernel
+    except Exception:  # noqa: BLE001 - no compiled kernels to relaunch: every launch takes the JIT path
+        return None
+    return CompiledKernel
+
+
+def on_cuda(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a CUDA device (elsewhere Triton interprets: nothing compiled to relaunch)."""
+    return t.is_cuda
+
+
+def current_device() -> int:
+    """The current CUDA device: the one Triton launches on, and loads a compiled kernel for."""
+    return torch.cuda.current_device()
+
+
+def aligned(tensors: tuple) -> bool:
+    """Whether every tensor's address is a multiple of 16 bytes (what Triton specializes pointers on)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return not bits & 15
+
+
+class KernelLaunch:
+    """``kernel[grid](*tensors, *static_args, **options)``, relaunched through the compiled kernel.
+
+    ``jit_launches`` / ``direct_launches`` count the two paths (tests pin that repeated calls skip the JIT).
+    """
+
+    __slots__ = ("kernel", "grid", "static_args", "options", "compiled", "_runner", "_device", "jit_launches",
+                 "direct_launches")
+
+    def __init__(self, kernel, grid: tuple, static_args: tuple, options: dict):
+        self.kernel = kernel
+        self.grid = grid
+        self.static_args = static_args
+        self.options = options
+        self.compiled: Any = None  # the compiled kernel of the first aligned CUDA launch (register reports)
+        self._runner = None
+        self._device = None
+        self.jit_launches = 0
+        self.direct_launches = 0
+
+    def __call__(self, *tensors):
+        """Launch on ``tensors`` (the kernel's first arguments); returns the compiled kernel where known."""
+        runner = self._runner
+        if runner is not None and aligned(tensors) and current_device() == self._device:
+            self.direct_launches += 1
+            runner(*tensors, *self.static_args)
+            return self.compiled
+        self.jit_launches += 1
+        compiled = self.kernel[self.grid](*tensors, *self.static_args, **self.options)
+        if runner is None and on_cuda(tensors[0]) and aligned(tensors):
+            self._keep(compiled)
+        return compiled
+
+    def _keep(self, compiled) -> None:
+        kind = compiled_kernel_class()
+        if kind is not None and isinstance(compiled, kind):
+            self.compiled = compiled
+            self._device = current_device()
+            self._runner = compiled[self.grid]
+
+
+_CACHED: dict[tuple, KernelLaunch] = {}
+_MAX_CACHED = 4096
+
+
+def launch(kernel, grid: tuple, tensors: tuple, static_args: tuple, **options):
+    """``kernel[grid](*tensors, *static_args, **options)`` through the ``KernelLaunch`` of these grid, scalars
+    and options (kept per kernel): for small kernels launched once per call with arguments that follow from
+    the call's shapes (their keys are built per launch, cheaper than the JIT's binding)."""
+    key = (id(kernel), grid, static_args, tuple(options.items()))
+    prepared = _CACHED.get(key)
+    if prepared is None:
+        if len(_CACHED) >= _MAX_CACHED:
+            _CACHED.clear()
+        prepared = _CACHED[key] = KernelLaunch(kernel, grid, static_args, options)
+    return prepared(*tensors)

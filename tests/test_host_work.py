@@ -1,0 +1,212 @@
+"""Little host work per call (issue 12, item 4): what a call decides once per signature is not decided again.
+
+Counted, not timed: the Triton decode of one call signature is prepared once (checks, launch configuration,
+kernel arguments), eagerly and from the compiled graph's op; each call then launches the decode kernel and,
+where the sequence is split, the merge (two launches, no others); and ``KernelLaunch`` relaunches a compiled
+kernel through the kernel's own launcher, going back to Triton's JIT front door only where the pointers'
+alignment or the current device differs from the first launch's. The timings are
+``benchmarks/bench_host_overhead.py``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_inductor
+from mla_inductor.kernels import decode as decode_kernels
+from mla_inductor.kernels import launch as launch_module
+from mla_inductor.kernels.launch import KernelLaunch
+from mla_inductor.testing import make_decode_inputs, relative_error
+from triton_support import TRITON_DEVICE, needs_triton
+
+# Dims the Triton backend takes (L 256, R 32), small; page 8 and 40 tokens: the CPU configuration splits
+# sequences longer than 64 positions (block table width 9 -> 72), so the merge kernel runs too.
+TRITON_SMALL = dict(kv_lora_rank=256, rope_dim=32, page_size=8, num_heads=4, q_dtype=torch.bfloat16, fmt="bf16")
+
+
+# ----------------------------------------------------------------------------- KernelLaunch
+
+class _Compiled:
+    """Stands in for triton's CompiledKernel: ``compiled[grid](*args)`` records the launch."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args, stream=None: self.log.append(("direct", grid, args))
+
+
+class _Kernel:
+    """Stands in for a @triton.jit function: ``kernel[grid](*args, **options)`` records the launch."""
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.log.append(("jit", grid, args, options))
+            return _Compiled(self.log)
+
+        return launch
+
+
+@pytest.fixture
+def as_if_on_cuda(monkeypatch):
+    """KernelLaunch as on a GPU: CPU tensors count as CUDA ones, the fake compiled kernel as triton's."""
+    device = {"current": 0}
+    monkeypatch.setattr(launch_module, "on_cuda", lambda t: True)
+    monkeypatch.setattr(launch_module, "compiled_kernel_class", lambda: _Compiled)
+    monkeypatch.setattr(launch_module, "current_device", lambda: device["current"])
+    return device
+
+
+def test_a_kernel_launch_goes_through_the_jit_once_then_through_the_compiled_kernel(as_if_on_cuda):
+    kernel = _Kernel()
+    x, y = torch.randn(64), torch.randn(32)
+    launch = KernelLaunch(kernel, (7,), (3, 1.5, "C"), dict(num_warps=4))
+    for _ in range(3):
+        launch(x, y)
+    assert [entry[0] for entry in kernel.log] == ["jit", "direct", "direct"]
+    assert kernel.log[0] == ("jit", (7,), (x, y, 3, 1.5, "C"), dict(num_warps=4))
+    assert kernel.log[1] == ("direct", (7,), (x, y, 3, 1.5, "C"))  # every argument in order, constexprs too
+    assert (launch.jit_launches, launch.direct_launches) == (1, 2)
+
+
+def test_a_kernel_launch_takes_the_jit_where_the_specialization_or_the_device_may_differ(as_if_on_cuda):
+    kernel = _Kernel()
+    base = torch.randn(64)
+    launch = KernelLaunch(kernel, (1,), (), {})
+    launch(base, base)
+    launch(base[1:], base)  # 4 bytes off: Triton would specialize the pointer differently
+    as_if_on_cuda["current"] = 1  # the compiled kernel was loaded on device 0
+    launch(base, base)
+    as_if_on_cuda["current"] = 0
+    launch(base, base)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "direct"]
+
+
+def test_a_kernel_launch_first_made_unaligned_never_relaunches(as_if_on_cuda):
+    kernel = _Kernel()
+    base = torch.randn(64)
+    launch = KernelLaunch(kernel, (1,), (), {})
+    launch(base[1:])  # compiled for an unaligned pointer: not kept for aligned ones
+    launch(base)
+    launch(base)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "direct"]
+
+
+def test_a_kernel_launch_on_cpu_always_takes_the_jit():
+    kernel = _Kernel()
+    launch = KernelLaunch(kernel, (1,), (), {})
+    for _ in range(2):
+        launch(torch.randn(8))
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
+# ----------------------------------------------------------------------------- the Triton backend
+
+class _Counted:
+    """Counts ``DecodeLaunch`` constructions and kernel launches while active."""
+
+    def __init__(self, monkeypatch):
+        self.prepared = 0
+        self.launches = 0
+        original_init, original_call = decode_kernels.DecodeLaunch.__init__, KernelLaunch.__call__
+
+        def init(launch, *args, **kwargs):
+            self.prepared += 1
+            original_init(launch, *args, **kwargs)
+
+        def call(launch, *tensors):
+            self.launches += 1
+            return original_call(launch, *tensors)
+
+        monkeypatch.setattr(decode_kernels.DecodeLaunch, "__init__", init)
+        monkeypatch.setattr(KernelLaunch, "__call__", call)
+
+
+def _triton_inputs(seq_lens, seed=0, **overrides):
+    dims = dict(TRITON_SMALL, **overrides)
+    return make_decode_inputs(seq_lens=seq_lens, device=TRITON_DEVICE, seed=seed, **dims)
+
+
+@needs_triton
+def test_triton_eager_calls_prepare_once_per_signature_and_launch_decode_and_merge_only(monkeypatch):
+    import mla_inductor.ops as ops
+
+    monkeypatch.setattr(ops, "_EAGER_CALLS", {})
+    counted = _Counted(monkeypatch)
+    x = _triton_inputs([40, 13, 66])
+    want = mla_inductor.paged_decode_reference(*x.args())
+    with mla_inductor.prefer_backends("triton"):
+        assert mla_inductor.backend_for_call(*x.args()).backend == "triton"
+        for _ in range(3):
+            out, lse = torch.ops.mla.paged_decode_with_lse(*x.args())
+            assert relative_error(out, want[0]) < 2e-2
+            assert torch.allclose(lse, want[1], atol=2e-3, rtol=0)
+        assert counted.prepared == 1
+        assert counted.launches == 3 * 2  # decode + merge (the CPU configuration splits 72 positions), nothing else
+        # Another signature (a wider block table) is prepared afresh, and the first one is still served.
+        y = _triton_inputs([40, 13, 66], seed=1, max_pages=12)
+        torch.ops.mla.paged_decode_with_lse(*y.args())
+        torch.ops.mla.paged_decode_with_lse(*x.args())
+        assert counted.prepared == 2
+
+
+@needs_triton
+def test_the_compiled_graphs_triton_op_prepares_once_per_signature(monkeypatch):
+    from mla_inductor.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    counted = _Counted(monkeypatch)
+    x = _triton_inputs([40, 13, 66], seed=2)
+    want = mla_inductor.paged_decode_reference(*x.args())[0]
+    for _ in range(3):  # what the compiled graph's wrapper calls, once per layer
+        out, _ = triton_backend.DECODE_OP(*x.args(), [])
+        assert relative_error(out, want) < 2e-2
+    assert counted.prepared == 1
+    assert counted.launches == 3 * 2
+
+
+@needs_triton
+def test_a_prepared_triton_decode_still_reads_new_contents(monkeypatch):
+    """Prepared once, the decode reads each call's tensors: new lengths, a new query, another cache of the
+    same shape give that call's result (nothing about the data is cached)."""
+    from mla_inductor.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    a, b = _triton_inputs([40, 13, 66], seed=3), _triton_inputs([40, 13, 66], seed=4)
+    args_b = list(b.args())
+    args_b[3], args_b[4] = a.block_table.clone(), torch.tensor([33, 16, 60], dtype=torch.int32, device=TRITON_DEVICE)
+    for args in (a.args(), tuple(args_b)):
+        out, lse = triton_backend.DECODE_OP(*args, [])
+        want_out, want_lse = mla_inductor.paged_decode_reference(*args)
+        assert relative_error(out, want_out) < 2e-2
+        assert torch.allclose(lse, want_lse, atol=2e-3, rtol=0)
+    assert len(triton_backend._LAUNCHES) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_gpu_triton_decode_relaunches_the_compiled_kernels_and_stays_correct(monkeypatch):
+    """On a GPU every call after the first launches the compiled decode and merge kernels directly; a query
+    whose pointer is not 16-byte aligned takes the JIT path (its own specialization) and is right too."""
+    from mla_inductor.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    x = make_decode_inputs(seq_lens=[4096], num_heads=128, page_size=64, device="cuda", seed=5)
+    args = x.args()
+    want = mla_inductor.paged_decode_reference(*args)[0]
+    outs = [triton_backend.DECODE_OP(*args, [])[0] for _ in range(3)]
+    (launch,) = triton_backend._LAUNCHES.values()
+    assert launch.main.jit_launches == 1 and launch.main.direct_launches == 2
+    assert launch.merge is not None and launch.merge.direct_launches == 2  # B=1, S=4096: split
+    for out in outs:
+        assert relative_error(out, want) < 1e-2
+    # q_nope 2 bytes off a 16-byte boundary, same shape and strides: same signature, JIT path.
+    q = torch.empty(args[0].numel() + 1, dtype=args[0].dtype, device="cuda")[1:].view(args[0].shape)
+    q.copy_(args[0])
+    out = triton_backend.DECODE_OP(q, *args[1:], [])[0]
+    assert launch.main.jit_launches == 2
+    assert relative_error(out, want) < 1e-2
