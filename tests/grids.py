@@ -162,7 +162,8 @@ def tolerances_for(fmt: str, q_dtype: torch.dtype, backend: str = "reference") -
     carries that rounding into the lse: then the lse bound is q's dtype's too. fp8 caches are judged on
     the same dequantized bytes, so the bound covers the kernel's own rounding; backends that also
     quantize the query to e4m3 for an fp8 cache (FlashMLA's dense FP8 kernel, FlashInfer's TRT-LLM and
-    XQA kernels) lose more: the bounds their own test files use."""
+    XQA kernels) lose more: the bounds their own test files use. An fp8_ds_mla cache is dequantized to bf16
+    inside the kernels: its lse bound is bf16's unit roundoff."""
     out_tol = 2e-5 if q_dtype == torch.float32 else TOLERANCE[q_dtype]
     if backend == "reference":
         return out_tol, 2e-5
@@ -170,6 +171,11 @@ def tolerances_for(fmt: str, q_dtype: torch.dtype, backend: str = "reference") -
         return 3e-2, 1e-2
     if fmt == "fp8_e4m3" and backend in ("flashinfer_trtllm", "flashinfer_xqa"):
         return 5 * out_tol, 1e-3
+    if fmt == "fp8_ds_mla":
+        # The kernels dequantize each e4m3 tile times its fp32 scale to bf16 before the matrix product: every
+        # key element is rounded to 8 bits, so a logit carries bf16's unit roundoff (2^-8) into the lse.
+        # (Found by the GPU fuzz: FlashMLA's sparse kernel, large-magnitude q, lse error 1.09e-3.)
+        return out_tol, 2 ** -8
     cache_rounded = fmt in STORED_16_32 and STORED_16_32[fmt] != q_dtype
     return out_tol, out_tol if cache_rounded else 1e-3
 

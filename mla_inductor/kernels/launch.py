@@ -59,7 +59,8 @@ class KernelLaunch:
 
     def __init__(self, kernel, grid: tuple, static_args: tuple, options: dict):
         self.kernel = kernel
-        self.grid = grid
+        # The compiled kernel's launcher reads grid[0], grid[1] and grid[2] (the JIT pads a shorter grid itself)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.static_args = static_args
         self.options = options
         self.compiled: Any = None  # the compiled kernel of the first aligned CUDA launch (register reports)
