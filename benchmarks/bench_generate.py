@@ -25,10 +25,17 @@ bandwidth measured in the same run (read + write bytes of a 2 GiB copy per secon
 
 Where a ``generate()`` step's host time goes: after timing ``generate-mla``, one more run of ``--steps``
 steps under cProfile gives the time per step of each part of HF's loop (preparing the inputs, our mask
-function inside it, the compiled forward's call, HF's bookkeeping, the stop check). On CUDA the stop
-check reads a flag from the device every step: its time is the device time the host waited for, and
-everything before the compiled call is host time the device waits for. cProfile slows Python down: the
-parts are for comparing with each other, not with the ms/step above.
+function inside it, the compiled forward's call with its own checks and its CUDA-graph replay, HF's
+bookkeeping, the stop check). On CUDA the stop check reads a flag from the device every step
+(transformers 5.23 defers it only on Apple's mps): its time is the device time the host waited for, and
+everything the host does between it and the graph's replay (preparing the inputs, the compiled call's
+guards and wrappers) is host time the device waits for. ``generate-mla`` minus ``loop-mla`` is that wait
+per step (our loop never waits: its host runs ahead of the device). cProfile slows Python down: the parts
+are for comparing with each other, not with the ms/step above.
+
+How transformers compiled the step: the ``CompileConfig`` it used and, over the ``generate-mla`` row,
+Dynamo's graph breaks, graphs, frames compiled and Inductor's CUDA-graph skips (0, 1, 1, 0 is the fast
+path: one graph, compiled once, replayed as one CUDA graph every step).
 
 Prefill rows: one forward of a ``--prefill-len``-token prompt (batch ``--prefill-batch``): ours
 (``prefill-mla``: HF's sdpa on keys/values expanded from the prompt's own latents, the latents written
@@ -157,24 +164,55 @@ def bench_generate_mla(model, cache, args, device) -> Row:
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
                        min_new_tokens=n, do_sample=False, pad_token_id=0)
 
+    counts = compile_counts()
     row.ms = decode_ms(run, args.steps, args.repeats, device)
+    row.extra["compile"] = compile_report(model, counts)
     new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
     row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
     row.extra["host_us_per_step"] = host_time_per_step(run, args.steps, device)
     return row
 
 
-# (part, file the function is in, function name): the parts of HF's decode loop and ours inside them.
+def compile_counts() -> dict[str, int]:
+    """Dynamo's and Inductor's running totals that tell how a compiled step was built."""
+    from torch._dynamo.utils import counters
+
+    return {"graph breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "frames compiled": counters["frames"]["ok"],
+            "CUDA-graph skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def compile_report(model, before: dict[str, int]) -> dict:
+    """The CompileConfig transformers compiles generate()'s decode step with, and what Dynamo/Inductor did
+    since ``before`` (``compile_counts()``)."""
+    from transformers import CompileConfig
+
+    config = model.generation_config.compile_config or CompileConfig()
+    after = compile_counts()
+    report = {key: after[key] - before[key] for key in after}
+    report["compile_config"] = ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items())
+    report["compiled"] = report["graphs"] > 0 or hasattr(model, "_compiled_call")
+    return report
+
+
+# (part, file the function is in, function name, what of it): the parts of HF's decode loop and ours inside
+# them. "total": its cumulative time (summed over same-named functions of the file), "outermost": the largest
+# cumulative time among them (nested ones), "own": its own time without the functions it calls (for
+# compile_wrapper: Dynamo's guard checks, which run in C).
 STEP_PARTS = (
-    ("the whole step (generate's first forward shared out)", "generation/utils.py", "_sample"),
-    ("prepare_inputs_for_generation (HF)", "generation/utils.py", "prepare_inputs_for_generation"),
-    ("- its create_masks_for_generate (HF)", "masking_utils.py", "create_masks_for_generate"),
-    ("- - our mask function", "mla_inductor/_hf.py", "mla_attention_mask"),
-    ("the compiled forward's call (guards, CUDA-graph replay; 0 uncompiled)", "torch/_dynamo/eval_frame.py", "compile_wrapper"),
-    ("_update_model_kwargs_for_generation (HF)", "generation/utils.py", "_update_model_kwargs_for_generation"),
-    ("logits processors (HF)", "generation/logits_process.py", "__call__"),
-    ("stopping criteria (HF)", "generation/stopping_criteria.py", "__call__"),
-    ("stop check (HF; on CUDA it waits for the device)", "generation/utils.py", "__call__"),
+    ("the whole step (generate's first forward shared out)", "generation/utils.py", "_sample", "total"),
+    ("prepare_inputs_for_generation (HF)", "generation/utils.py", "prepare_inputs_for_generation", "total"),
+    ("- its create_masks_for_generate (HF)", "masking_utils.py", "create_masks_for_generate", "total"),
+    ("- - our mask function", "mla_inductor/_hf.py", "mla_attention_mask", "total"),
+    ("the compiled forward's call (0 uncompiled)", "torch/_dynamo/eval_frame.py", "compile_wrapper", "total"),
+    ("- its own time: Dynamo's guard checks", "torch/_dynamo/eval_frame.py", "compile_wrapper", "own"),
+    ("- its CUDA-graph trees call (input copies, replay, outputs)", "torch/_inductor/cudagraph_trees.py", "run",
+     "outermost"),
+    ("- - the graph's replay launch", "torch/_inductor/cudagraph_trees.py", "run_graph", "total"),
+    ("_update_model_kwargs_for_generation (HF)", "generation/utils.py", "_update_model_kwargs_for_generation", "total"),
+    ("logits processors (HF)", "generation/logits_process.py", "__call__", "total"),
+    ("stopping criteria (HF)", "generation/stopping_criteria.py", "__call__", "total"),
+    ("stop check (HF; on CUDA it waits for the device)", "generation/utils.py", "__call__", "total"),
 )
 
 
@@ -188,9 +226,14 @@ def host_time_per_step(run_steps, steps: int, device) -> dict[str, float]:
     profile.disable()
     stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive calls, own s, cumulative s, ...)
     parts = {}
-    for part, file, function in STEP_PARTS:
-        seconds = sum(entry[3] for (f, _, name), entry in stats.items()
-                      if name == function and file in f.replace("\\", "/"))
+    for part, file, function, what in STEP_PARTS:
+        entries = [entry for (f, _, name), entry in stats.items() if name == function and file in f.replace("\\", "/")]
+        if what == "own":
+            seconds = sum(entry[2] for entry in entries)
+        elif what == "outermost":
+            seconds = max((entry[3] for entry in entries), default=0.0)
+        else:
+            seconds = sum(entry[3] for entry in entries)
         parts[part] = 1e6 * seconds / (2 + steps)
     return parts
 
@@ -356,6 +399,18 @@ def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) 
     for key, value in derived.items():
         shown = f"{value:.2f}" if value is not None else "n/a"
         lines.append(f"| {key} | {shown} | >= {TARGETS[key]} |")
+    by_name = {r.name: r for r in rows if r.ms and not r.error}
+    if "generate-mla" in by_name and "loop-mla" in by_name:
+        wait = by_name["generate-mla"].ms - by_name["loop-mla"].ms
+        lines += ["", f"HF's loop per step (generate-mla - loop-mla): {wait:.3f} ms; the target (>= 0.8x loop-mla) "
+                  f"allows {by_name['loop-mla'].ms * (1 / TARGETS['generate-mla / loop-mla'] - 1):.3f} ms."]
+    built = next((r.extra["compile"] for r in rows if "compile" in r.extra), None)
+    if built:
+        how = (f"transformers compiled the decode step ({built['compile_config']}): {built['graph breaks']} graph "
+               f"breaks, {built['graphs']} graphs from {built['frames compiled']} frames compiled, "
+               f"{built['CUDA-graph skips']} CUDA-graph skips over the generate-mla row"
+               if built["compiled"] else "transformers did not compile the decode step (it does so on CUDA only)")
+        lines += ["", how + "."]
     host = next((r.extra["host_us_per_step"] for r in rows if "host_us_per_step" in r.extra), None)
     if host:
         lines += ["", f"Where a generate-mla step's host time goes (cProfile over 2 + {args.steps} steps, µs per step; "

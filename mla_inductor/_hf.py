@@ -12,8 +12,8 @@ How a DeepSeek-style attention of transformers 5.23 meets us (``DeepseekV3Attent
    ``layer_idx``, ``kv_b_proj``, dims), the query [B, H, Q, nope+R] (rope applied, not absorbed), those
    keys/values, the mask built by the registered mask function, and ``scaling`` (yarn-aware).
 
-``PagedMLACache.update`` hands the new latents to the attention function through the module's link
-(below) and returns them unchanged, so HF expands only the new tokens. The attention function writes
+``PagedMLACache.update`` hands the new latents to the attention function of the same layer (through the
+link below) and returns them unchanged, so HF expands only the new tokens. The attention function writes
 them into the paged cache with ``mla.cache_append`` (it alone knows which new tokens are padding: the
 mask says so) and then either
 
@@ -23,9 +23,15 @@ mask says so) and then either
   applies W_UV: decode steps and any chunk appended to a filled cache. The expansion HF made from the
   returned latents is then unused (dead code under ``torch.compile``).
 
-The link: an attention function receives the module but not the cache, so each MLA attention module
-carries a small ``_LayerLink`` (attribute ``_mla_inductor_link``) through which the cache of the forward
-in progress passes the layer's new latents. No forward of any module is replaced.
+The link: an attention function receives the module but not the cache, so the MLA attention modules of a
+model share one small ``_ModelLink`` (attribute ``_mla_inductor_link``) that names the cache of the
+forward in progress; that cache holds each layer's new latents until its attention takes them. No forward
+of any module is replaced.
+
+Host work per compiled step: torch.compile replays every Python attribute a step writes after its graph
+runs (on GPU, before the next step can start: ``generate`` waits for the device every step). What a
+forward writes is therefore a fixed handful of attributes and one dict (the latents in flight, empty
+again when the forward ends), however many layers the model has.
 """
 
 from __future__ import annotations
@@ -128,30 +134,22 @@ def _check_dims(modules: dict[int, nn.Module]) -> tuple[int, int]:
 # The link between a cache's update() and the attention function of the same layer
 
 
-class _LayerLink:
-    """Per attention module: the cache whose ``update`` ran for this layer in the forward in progress, and
-    the new latents it left for the attention function. Plain attributes, so torch.compile traces the
-    hand-over as ordinary Python side effects."""
+class _ModelLink:
+    """Shared by the MLA attention modules of one model: the ``PagedMLACache`` of the forward in progress
+    (set by its first layer's ``update``, cleared by its last layer's attention, so no cache outlives its
+    forward through the model), or None. A plain attribute, so torch.compile traces the hand-over as an
+    ordinary Python side effect, one per forward."""
 
     def __init__(self, config):
         self.config = config
-        self.clear()
-
-    def clear(self) -> None:
         self.cache: Optional[PagedMLACache] = None
-        self.kv_c: Optional[torch.Tensor] = None
-        self.k_pe: Optional[torch.Tensor] = None
-
-    def take(self):
-        handed = self.cache, self.kv_c, self.k_pe
-        self.clear()
-        return handed
 
 
-def _link_of(module: nn.Module) -> _LayerLink:
-    link = module.__dict__.get(_LINK_ATTR)
-    if link is None:
-        link = _LayerLink(module.config)
+def _link_of(modules: dict[int, nn.Module]) -> _ModelLink:
+    """The model's link, made and given to every MLA attention module on first use."""
+    found = {id(link): link for m in modules.values() if (link := m.__dict__.get(_LINK_ATTR)) is not None}
+    link = next(iter(found.values())) if len(found) == 1 else _ModelLink(next(iter(modules.values())).config)
+    for module in modules.values():
         module.__dict__[_LINK_ATTR] = link
     return link
 
@@ -231,10 +229,15 @@ class PagedMLACache(Cache):
         # Columns seen (pads included): changes inside compiled decode steps, so it lives on the device.
         self._columns = torch.zeros((), dtype=torch.int64, device=weight.device)
         mark_static_address(self._columns)
-        self._links = {i: _link_of(m) for i, m in modules.items()}
+        self._link = _link_of(modules)
+        self._layers = frozenset(modules)
+        # The new latents [B, 1, Q, L] and rope keys [B, 1, Q, R] of each layer whose update() ran and whose
+        # attention has not yet taken them: empty between forwards.
+        self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._first_layer, self._last_layer = min(modules), max(modules)
         self._has_tokens = False  # host-side: the next forward is a prompt on an empty cache when False
-        self._prompt_forward = False  # the forward in progress runs ordinary attention (set by its first layer)
+        # The forward in progress runs ordinary attention (set by its first layer; False between forwards).
+        self._prompt_forward = False
         # Columns seen as the host knows them without reading the device (None once a compiled step has run:
         # its count lives in _columns only). It bounds every sequence's length, so the capacity checks of
         # eager forwards read the device only when this bound could exceed max_seq_len.
@@ -291,26 +294,27 @@ class PagedMLACache(Cache):
 
     def __repr__(self) -> str:
         return (f"PagedMLACache(batch_size={self.batch_size}, max_seq_len={self.max_seq_len}, format={self.format!r}, "
-                f"page_size={self.page_size}, layers={len(self._links)})")
+                f"page_size={self.page_size}, layers={len(self._layers)})")
 
     # ---------------------------------------------------------------- transformers' Cache interface
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by the attention module with the new latent [B, 1, Q, L] and rope key [B, 1, Q, R]; hands
         them to the attention function of the same layer and returns them for HF to expand."""
-        link = self._links.get(layer_idx)
-        if link is None:
+        if layer_idx not in self._layers:
             raise ValueError(f"PagedMLACache.update: layer {layer_idx} is not an MLA attention layer of the model "
-                             f"this cache was made for (layers {list(self._links)})")
-        if link.cache is not None:
-            raise RuntimeError(f"PagedMLACache.update: layer {layer_idx}'s previous latents were never attended "
-                               "(an earlier forward failed part-way?); call cache.reset() and start again")
+                             f"this cache was made for (layers {sorted(self._layers)})")
         if layer_idx == self._first_layer:  # every layer of a forward has the same batch and dims (_check_dims)
-            self._check_forward(link, key_states, value_states)
+            if self._in_flight:
+                raise RuntimeError(f"PagedMLACache.update: the latents of layers {sorted(self._in_flight)} were never "
+                                   "attended (an earlier forward failed part-way?); call cache.reset() and start again")
+            self._check_forward(key_states, value_states)
             self._begin_forward(key_states.shape[2])
-        link.cache, link.kv_c, link.k_pe = self, key_states, value_states
+            self._link.cache = self
+        self._in_flight[layer_idx] = (key_states, value_states)
         return key_states, value_states
 
-    def _check_forward(self, link: _LayerLink, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _check_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        link = self._link
         if link.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"PagedMLACache needs the model's attention implementation {ATTN_IMPLEMENTATION!r}, got "
@@ -355,9 +359,11 @@ class PagedMLACache(Cache):
         self._columns.zero_()
         self._host_columns = 0
         self._has_tokens = False
+        self._prompt_forward = False
         self._new_slots = None
-        for link in self._links.values():
-            link.clear()
+        self._in_flight.clear()
+        if self._link.cache is self:
+            self._link.cache = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` columns (HF's convention: a negative count)."""
@@ -428,8 +434,13 @@ class PagedMLACache(Cache):
         self._columns.add_(num_columns)
         if self._host_columns is not None:
             self._host_columns += num_columns
-        self._prompt_forward = not self._has_tokens
-        self._has_tokens = True
+        # Written only when they change (_end_forward leaves _prompt_forward False): a decode step writes
+        # neither (see "Host work" above).
+        prompt = not self._has_tokens
+        if self._prompt_forward != prompt:
+            self._prompt_forward = prompt
+        if prompt:
+            self._has_tokens = True
 
     def _columns_seen(self) -> int:
         """Columns seen before this forward, from the host's count when it has one (no device read)."""
@@ -465,11 +476,12 @@ class PagedMLACache(Cache):
             raise ValueError(f"PagedMLACache: a sequence would hold {longest} tokens, more than max_seq_len="
                              f"{self.max_seq_len}; make the cache with a larger max_seq_len")
 
-    def _take_new_slots(self, layer_idx: int) -> torch.Tensor:
-        slots = self._new_slots
-        if layer_idx == self._last_layer:
-            self._new_slots = None  # nothing of this forward outlives it
-        return slots
+    def _end_forward(self) -> None:
+        """At the forward's last MLA layer: nothing of this forward outlives it."""
+        self._new_slots = None
+        self._link.cache = None
+        if self._prompt_forward:
+            self._prompt_forward = False
 
     def _real_new_tokens(self, attention_mask: Optional[torch.Tensor], B: int, Q: int) -> Optional[torch.Tensor]:
         """[B, Q] bool: which new tokens are real (None: all of them). A token attends to itself unless it is
@@ -507,9 +519,12 @@ class PagedMLACache(Cache):
         layer = module.layer_idx
         if layer == self._first_layer:
             self._begin_attention(attention_mask, B, Q, query.device)
-        torch.ops.mla.cache_append(self.kv_caches[layer], kv_c.reshape(B * Q, -1), k_pe.reshape(B * Q, -1),
-                                   self._take_new_slots(layer), self.kv_scale)
-        if self._prompt_forward:
+        slots, prompt = self._new_slots, self._prompt_forward
+        if layer == self._last_layer:
+            self._end_forward()
+        torch.ops.mla.cache_append(self.kv_caches[layer], kv_c.reshape(B * Q, -1), k_pe.reshape(B * Q, -1), slots,
+                                   self.kv_scale)
+        if prompt:
             if self.sparse and attention_mask is not None:
                 attention_mask = attention_mask[..., :Q]  # the prompt fills the first columns
             return sdpa_attention_forward(module, query, key, value, _with_top_k(attention_mask, indices, B, Q),
@@ -563,14 +578,16 @@ def mla_attention(module, query, key, value, attention_mask, dropout: float = 0.
     """``AttentionInterface`` function ``"mla_inductor"``: the paged MLA path when the forward's cache is a
     ``PagedMLACache``, HF's sdpa otherwise (no cache, a ``DynamicCache``, ...)."""
     link = module.__dict__.get(_LINK_ATTR)
-    cache, kv_c, k_pe = link.take() if link is not None and link.cache is not None else (None, None, None)
-    if cache is None:
+    cache = None if link is None else link.cache
+    latents = None if cache is None else cache._in_flight.pop(module.layer_idx, None)
+    if latents is None:
         B, _, Q, _ = query.shape
         mask = _with_top_k(attention_mask, kwargs.pop("indices", None), B, Q)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError("mla_inductor attention is for inference: dropout must be 0 (call model.eval())")
     scaling = module.scaling if scaling is None else scaling
+    kv_c, k_pe = latents
     return cache.attend(module, query, key, value, attention_mask, scaling, kv_c, k_pe, **kwargs)
 
 

@@ -352,6 +352,92 @@ def test_generate_compiles_its_decode_step_on_our_cache():
         assert torch.equal(hf_generate(model, ids, mask, 12, past_key_values=cache, compile_config=config), want)
 
 
+def test_generate_with_hfs_default_compile_config_has_no_graph_break():
+    """generate() compiles the decode step itself with transformers' default CompileConfig (fullgraph=False:
+    a graph break would split the step silently, each piece its own CUDA graph with Python between them).
+    With our cache and attention: no graph break, one graph for every step, none recompiled by a second
+    call. Dynamo only (backend "eager"): breaks and guards are decided before any backend runs."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=13)
+    want = hf_generate(model, ids, mask, 8)
+    config = transformers.CompileConfig()  # what generate() uses by itself on GPU ...
+    assert config.fullgraph is False
+    config.backend, config.mode = "eager", None  # ... checked by Dynamo alone on CPU
+    config._compile_all_devices = True
+    cache = use_mla(model, batch=4)
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    assert torch.equal(hf_generate(model, ids, mask, 8, past_key_values=cache, compile_config=config), want)
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    cache.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(hf_generate(model, ids, mask, 8, past_key_values=cache, compile_config=config), want)
+
+
+def attribute_writes_per_compiled_step(monkeypatch, layers: int) -> int:
+    """The Python attribute writes torch.compile replays after each graph of a compiled decode step (Dynamo
+    applies them through ``torch._dynamo.utils.object_setattr_ignore_descriptor``), counted over 3 steps of a
+    ``layers``-layer model."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = make_model("v2_plain", layers=layers, first_k_dense_replace=layers)
+    ids, mask = left_padded_prompts(seed=14)
+    cache = use_mla(model, batch=4)
+    step = torch.compile(hf.decode_one_token, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        token = step(model, token, cache).argmax(-1)  # compiles
+        writes = Counter()
+        original = dynamo_utils.object_setattr_ignore_descriptor
+
+        def counting(obj, name, value):
+            writes[name] += 1
+            return original(obj, name, value)
+
+        monkeypatch.setattr(dynamo_utils, "object_setattr_ignore_descriptor", counting)
+        for _ in range(3):
+            token = step(model, token, cache).argmax(-1)
+        monkeypatch.undo()
+    assert writes, "no attribute write replayed at all: the count no longer sees Dynamo's replay"
+    return sum(writes.values())
+
+
+def test_compiled_step_writes_a_fixed_number_of_attributes_whatever_the_depth(monkeypatch):
+    """torch.compile replays every Python attribute a compiled step writes after its graph runs: host time
+    that, in generate() (which waits for the device every step), the device idles for. Our cache and
+    attention write a fixed handful per step: a 3-layer model writes as many as a 1-layer one."""
+    one, three = (attribute_writes_per_compiled_step(monkeypatch, n) for n in (1, 3))
+    assert three == one, f"attribute writes per 3 steps: {one} with 1 layer, {three} with 3 layers"
+
+
+def test_the_model_keeps_no_cache_between_forwards_and_two_caches_take_turns():
+    """The link the attention modules share names a cache only while its forward runs: a dropped cache is
+    freed, and two caches of one model can take turns (each sees its own tokens)."""
+    import gc
+    import weakref
+
+    model = make_model("v2_plain")
+    ids, mask = left_padded_prompts(seed=15)
+    want = hf_generate(model, ids, mask, 6)
+    first, second = use_mla(model, batch=4), use_mla(model, batch=4)
+    with torch.no_grad():
+        tokens = [hf.prefill(model, ids, mask, cache=c).argmax(-1) for c in (first, second)]
+        out = [[t[:, None]] for t in tokens]
+        for _ in range(5):
+            for i, c in enumerate((first, second)):
+                tokens[i] = hf.decode_one_token(model, tokens[i], c).argmax(-1)
+                out[i].append(tokens[i][:, None])
+    for o in out:
+        assert torch.equal(torch.cat([ids, *o], 1), want)
+    gone = weakref.ref(first)
+    del first, second
+    gc.collect()
+    assert gone() is None, "the model still holds a PagedMLACache after its forwards ended"
+
+
 def test_own_compiled_decode_loop_matches_hf_eager():
     torch._dynamo.reset()
     model = make_model("v2_yarn_no_qlora", first_k_dense_replace=2)  # dense: MoE under compile is covered above
