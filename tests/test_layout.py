@@ -241,7 +241,8 @@ def test_no_backend_name_in_a_condition_outside_its_own_file():
 
 def test_product_text_speaks_of_the_product():
     pattern = re.compile(r"gpu-deps|\$OUT|KINDS|\.\./shared|lent machine")
-    files = [ROOT / "README.md"] + [p for part in ("mla_inductor", "lowering", "benchmarks", "docs")
+    parts = ("mla_inductor", "lowering", "benchmarks", "docs", "examples")
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + [p for part in parts
                                     for p in (ROOT / part).rglob("*") if p.is_file() and p.suffix in (".py", ".md")]
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line)]
