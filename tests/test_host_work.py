@@ -100,6 +100,18 @@ def test_a_kernel_launch_first_made_unaligned_never_relaunches(as_if_on_cuda):
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "direct"]
 
 
+def test_small_kernel_launches_are_kept_per_dtype(as_if_on_cuda, monkeypatch):
+    """Triton compiles a kernel per pointer dtype and the direct relaunch checks none: tensors of another
+    dtype with the same grid and scalars get a launch of their own."""
+    monkeypatch.setattr(launch_module, "_CACHED", {})
+    kernel = _Kernel()
+    bf16, fp16 = torch.randn(64).bfloat16(), torch.randn(64).half()
+    for t in (bf16, fp16, bf16, fp16):
+        launch_module.launch(kernel, (2,), (t,), (64,))
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "direct", "direct"]
+    assert len(launch_module._CACHED) == 2
+
+
 def test_a_kernel_launch_on_cpu_always_takes_the_jit():
     kernel = _Kernel()
     launch = KernelLaunch(kernel, (1,), (), {})
@@ -138,8 +150,10 @@ def _triton_inputs(seq_lens, seed=0, **overrides):
 @needs_triton
 def test_triton_eager_calls_prepare_once_per_signature_and_launch_decode_and_merge_only(monkeypatch):
     import mla_inductor.ops as ops
+    from mla_inductor.backends import triton as triton_backend
 
     monkeypatch.setattr(ops, "_EAGER_CALLS", {})
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
     counted = _Counted(monkeypatch)
     x = _triton_inputs([40, 13, 66])
     want = mla_inductor.paged_decode_reference(*x.args())
@@ -155,6 +169,9 @@ def test_triton_eager_calls_prepare_once_per_signature_and_launch_decode_and_mer
         y = _triton_inputs([40, 13, 66], seed=1, max_pages=12)
         torch.ops.mla.paged_decode_with_lse(*y.args())
         torch.ops.mla.paged_decode_with_lse(*x.args())
+        assert counted.prepared == 2
+        # The compiled graph's op on a signature eager calls prepared uses the same launch.
+        triton_backend.DECODE_OP(*x.args(), [])
         assert counted.prepared == 2
 
 
@@ -214,3 +231,51 @@ def test_gpu_triton_decode_relaunches_the_compiled_kernels_and_stays_correct(mon
     out = triton_backend.DECODE_OP(q, *args[1:], [])[0]
     assert launch.main.jit_launches == 2
     assert relative_error(out, want) < 1e-2
+
+
+# ----------------------------------------------------------------------------- FlashInfer's repeated run
+
+class _FakeModule:
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class _FakeWrapper:
+    """A planned wrapper whose run() hands its compiled module the call's tensors and ``extra(tensors)``."""
+
+    def __init__(self, extra):
+        self._cached_module = _FakeModule()
+        self.extra = extra
+
+    def run(self, q_nope, q_pe, ckv, kpe, out, lse, **kwargs):
+        tensors = (q_nope, q_pe, ckv, kpe, out, lse)
+        self._cached_module.run(*tensors, self.extra(tensors), 1.0)
+
+
+def _call_tensors():
+    cache = torch.randn(3, 4, 9)
+    return (torch.randn(1, 2, 8), torch.randn(1, 2, 1), cache[..., :8], cache[..., 8:], torch.empty(1, 2, 8),
+            torch.empty(1, 2))
+
+
+def test_flashinfer_direct_run_repeats_the_module_call_with_the_new_tensors():
+    from mla_inductor.backends._flashinfer_common import _DirectRun
+
+    workspace = torch.zeros(16)
+    wrapper = _FakeWrapper(lambda tensors: workspace)
+    direct = _DirectRun.record(wrapper, _call_tensors(), {})
+    assert direct
+    later = _call_tensors()
+    direct(*later)
+    args = wrapper._cached_module.calls[-1]
+    assert all(a is t for a, t in zip(args[:6], later)) and args[6] is workspace and args[7] == 1.0
+
+
+def test_flashinfer_direct_run_is_refused_where_another_argument_is_made_from_the_call():
+    from mla_inductor.backends._flashinfer_common import _DirectRun
+
+    wrapper = _FakeWrapper(lambda tensors: tensors[4].view(-1))  # a view of out: frozen, it would be stale
+    assert _DirectRun.record(wrapper, _call_tensors(), {}) is False

@@ -240,6 +240,13 @@ class _DirectRun:
         positions = [[i for i, a in enumerate(recorder.args) if a is t] for t in tensors]
         if any(len(p) != 1 for p in positions):
             return False
+        # Any other tensor argument made from this call's tensors (a view of out, say) would be frozen into
+        # the template and written by later calls: such a call is not repeated.
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        placed = {p[0] for p in positions}
+        if any(isinstance(a, Tensor) and i not in placed and a.untyped_storage().data_ptr() in storages
+               for i, a in enumerate(recorder.args)):
+            return False
         template = list(recorder.args)
         for (i,) in positions:
             template[i] = None  # the per-call tensors are not kept alive

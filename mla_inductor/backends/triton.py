@@ -87,11 +87,9 @@ class TritonBackend(Backend):
         return DECODE_OP(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
 
     def eager_decode(self, problem, args, with_lse):
-        # The launch is prepared from the signature's example call; each call only allocates and launches
+        # The signature's prepared launch (shared with the compiled op); each call only allocates and launches
         # (ops.py has checked the signature and that the call attends something).
-        from mla_inductor.kernels.decode import DecodeLaunch
-
-        launch = DecodeLaunch(*args[:8])
+        launch = prepared_launch(*args[:8])
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
             out, lse = launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices)

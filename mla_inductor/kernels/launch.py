@@ -98,7 +98,8 @@ def launch(kernel, grid: tuple, tensors: tuple, static_args: tuple, **options):
     """``kernel[grid](*tensors, *static_args, **options)`` through the ``KernelLaunch`` of these grid, scalars
     and options (kept per kernel): for small kernels launched once per call with arguments that follow from
     the call's shapes (their keys are built per launch, cheaper than the JIT's binding)."""
-    key = (id(kernel), grid, static_args, tuple(options.items()))
+    # The tensors' dtypes too: Triton compiles a kernel per pointer dtype, and the direct relaunch checks none.
+    key = (id(kernel), grid, static_args, tuple(options.items()), tuple(t.dtype for t in tensors))
     prepared = _CACHED.get(key)
     if prepared is None:
         if len(_CACHED) >= _MAX_CACHED:
