@@ -47,7 +47,8 @@ from typing import Callable, Optional
 from unittest import mock
 
 import torch
-from report import add_out_argument, environment, environment_line, markdown_table, progress, write_results
+from report import (add_out_argument, environment, environment_line, mark_new_step, markdown_table, progress,
+                    write_results)
 
 import mla_inductor
 from mla_inductor import contract
@@ -151,13 +152,6 @@ def make_args(B: int, H: int, fmt: str, device: str) -> tuple:
     seq_lens = torch.full((B,), PAGES_PER_SEQ * PAGE, dtype=torch.int32, device=device)
     kv_scale = torch.ones(1, dtype=torch.float32, device=device)
     return q[..., :L], q[..., L:], cache.to(device), block_table, seq_lens, (L + R) ** -0.5, kv_scale
-
-
-def new_step(seq_lens: torch.Tensor) -> None:
-    """Leave seq_lens as a decode step's bookkeeping leaves it: written (version counter moved, so a plan
-    of the previous step is not reused) and its host copy registered (no device->host copy in the plan)."""
-    torch.autograd.graph.increment_version(seq_lens)
-    mla_inductor.register_host_lengths(seq_lens, seq_lens.to("cpu", copy=True))
 
 
 def step_calls(calls: int, op=None) -> Callable:
@@ -286,7 +280,8 @@ def time_noop_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
     profiles = {}
     for planned, backend in ((False, NOOP), (True, NOOP_PLANNED)):
         prefix = "planned " if planned else ""
-        before = (lambda: new_step(seq_lens)) if planned else (lambda: None)
+        host_lens = seq_lens.to("cpu", copy=True)
+        before = (lambda: mark_new_step(seq_lens, host_lens)) if planned else (lambda: None)
         with mla_inductor.prefer_backends(backend), value_checks(args.value_checks, device):
             modes = {"direct": (lambda f=direct_step(args.calls, planned): f(*op_args))}
             eager = step_calls(args.calls)
@@ -333,8 +328,7 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
     sync = torch.cuda.synchronize
 
     def before():
-        torch.autograd.graph.increment_version(c["lens"])
-        mla_inductor.register_host_lengths(c["lens"], host)
+        mark_new_step(c["lens"], host)
 
     row = {"case": f"B={B} H={H} {fmt} S=4096", "device": torch.cuda.get_device_name(),
            "backend": mla_inductor.backend_for_call(*op_args).backend}

@@ -50,6 +50,7 @@ from report import (
     add_out_argument,
     environment,
     environment_line,
+    mark_new_step,
     markdown_table,
     median_ms,
     progress,
@@ -113,14 +114,6 @@ def _free() -> None:
 
 
 # ----------------------------------------------------------------------------- cases and steps
-
-def mark_new_step(seq_lens: torch.Tensor, host_lens: torch.Tensor) -> None:
-    """Leave seq_lens as a decode step's bookkeeping leaves it (``PagedLatentCache.reserve``): written (its
-    version counter moves, so no plan of the previous step is reused) and its host copy registered. The
-    values stay, so every step times the same work."""
-    torch.autograd.graph.increment_version(seq_lens)
-    mla_inductor.register_host_lengths(seq_lens, host_lens)
-
 
 def mark_static(tensors) -> None:
     """CUDA-graph trees copy every input whose address may change; caches are marked static, as

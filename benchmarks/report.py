@@ -1,4 +1,5 @@
-"""What every benchmark shares: the GPU check, the environment line, timing, and writing results (--out)."""
+"""What every benchmark shares: the GPU check, the environment line, timing (and a step's bookkeeping), and
+writing results (--out)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,12 @@ def add_out_argument(parser) -> None:
 def progress(message: str) -> None:
     print(message, flush=True)
 
+
+def mark_new_step(seq_lens: torch.Tensor, host_lens: torch.Tensor) -> None:
+    """Leave seq_lens as a decode step's bookkeeping leaves it (``PagedLatentCache.reserve``): written (its
+    version counter moves, so no plan of the previous step is reused) and its host copy registered. The
+    values stay, so every step times the same work."""
+    torch.autograd.graph.increment_version(seq_lens)
+    import mla_inductor
+
+    mla_inductor.register_host_lengths(seq_lens, host_lens)

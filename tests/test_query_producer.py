@@ -13,10 +13,7 @@ memory). The GPU timing itself is bench_pass's.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,22 +22,14 @@ import mla_inductor
 from mla_inductor.backends._common import quantize_query_reference
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import relative_error
+from benchmark_modules import BENCHMARKS, load_benchmark
 from small_problems import small_inputs
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _load(name: str):
-    """A module of benchmarks/ (registered in sys.modules: compiled code refers to its functions by module)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-qp = _load("query_producer")
+qp = load_benchmark("query_producer")
 LAYERS = 3
 
 
@@ -207,7 +196,7 @@ def test_bench_pass_peer_writes_each_calls_query_before_its_kernel(monkeypatch, 
     (``peers.QUERY_ENTRIES``), and every call rewrites them from the producer inputs (new values reach
     the kernel); the case's "q" is the bf16 q the peer's reference is computed on."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    bench_pass = _load("bench_pass")
+    bench_pass = load_benchmark("bench_pass")
     x, layers, q_scale = _case()
     L = x.q_nope.shape[-1]
     made = layers[0]
@@ -236,7 +225,7 @@ def test_bench_pass_peer_writes_each_calls_query_before_its_kernel(monkeypatch, 
 
 def test_every_dense_peer_names_a_query_layout_the_writers_know(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    peers = _load("peers")
+    peers = load_benchmark("peers")
     dense = set(peers.PEERS) | set(peers.DENSE_DS_PEERS)
     assert dense <= set(peers.QUERY_ENTRIES), dense - set(peers.QUERY_ENTRIES)
     assert set(peers.QUERY_ENTRIES.values()) <= set(qp.WRITERS)

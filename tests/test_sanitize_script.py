@@ -2,7 +2,6 @@
 compute-sanitizer is a valid call (the contract's CPU value checks accept it) whose unused memory is
 a trap (the reference still gives finite outputs where something is attended)."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,16 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmark_modules import load_benchmark
 from mla_inductor.contract import check_decode_args, check_decode_values
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sanitize_backends.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("sanitize_backends", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sanitize_backends")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
