@@ -310,18 +310,10 @@ def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     return select_backend(problem, backends.device_capability(q_nope.device))
 
 
-_EAGER_CHOICES: dict[tuple, Backend] = {}
-
-
 def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
-    """The backend an eager call runs on (the same choice as the compiler's), chosen once per problem,
-    device, user preference, FP8-query opt-in and set of registered backends."""
-    key = (problem, device, user_preference(), fp8_query_allowed(), backends.registry_generation())
-    backend = _EAGER_CHOICES.get(key)
-    if backend is None:
-        backend = backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
-        _EAGER_CHOICES[key] = backend
-    return backend
+    """The backend an eager call runs on (the same choice as the compiler's). ``ops`` asks once per call
+    signature, user preference, FP8-query opt-in and set of registered backends, and keeps the answer."""
+    return backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
 
 
 # Who writes new tokens into a cache (``mla.cache_append``): the first that is available and can write

@@ -322,7 +322,6 @@ def test_an_eager_call_validates_and_selects_once_per_signature(monkeypatch):
     monkeypatch.setattr(ops, "check_decode_args", counted("check", ops.check_decode_args))
     monkeypatch.setattr(selection, "select_backend", counted("select", selection.select_backend))
     monkeypatch.setattr(ops, "_EAGER_CALLS", {})
-    monkeypatch.setattr(selection, "_EAGER_CHOICES", {})
     x = make_decode_inputs(seq_lens=[5, 17, 9], **{k: v for k, v in SMALL.items()})
     want = mla_inductor.paged_decode_reference(*x.args())[0]
     for _ in range(3):
