@@ -338,7 +338,7 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
         joined = _joined_query(bound[0], bound[1])
     replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values,
                                joined_query=joined is not None)
-    match.replace_by_example(replacement, [bound[i] for i in node_positions] + ([joined] if joined else []))
+    match.replace_by_example(replacement, [bound[i] for i in node_positions] + ([joined] if joined is not None else []))
 
 
 def _joined_query(q_nope, q_pe) -> Optional[torch.fx.Node]:
