@@ -153,7 +153,8 @@ def calls(draw, fmts=FORMATS, q_dtypes=Q_DTYPES, sparse=(False, True), dims=None
         q_per_seq=draw(st.integers(*q_per_seq)),
         heads=draw(st.integers(max(heads[0], min_sizes), heads[1]) if head_counts is None else st.sampled_from(head_counts)),
         kv_lora_rank=dims[0], rope_dim=dims[1], page_size=page, fmt=fmt,
-        q_dtype=STORED_DTYPE[fmt] if q_like_cache and fmt in ("bf16", "fp16") else draw(st.sampled_from(q_dtypes)),
+        q_dtype=(STORED_DTYPE[fmt] if q_like_cache and fmt in ("bf16", "fp16")
+                 else draw(st.sampled_from(q_dtypes))),
         spare_table_cols=draw(st.integers(min_sizes, 3)),
         spare_pages=draw(st.integers(min_sizes, 3)),
         share_pages=draw(st.booleans()),

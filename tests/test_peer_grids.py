@@ -92,6 +92,31 @@ def _poison_allocator():
     del junk
 
 
+# What each Hopper backend refuses of the grid (its supports() on SM90, read on CPU): the GPU tests skip these
+# cells, and only these; a supports() that starts refusing more would otherwise turn GPU tests into skips.
+SM90_REFUSALS = {
+    "flashinfer_fa2": {"flashmla_s140_varlen_h63_q4", "flashmla_s4096_h16_q2_fp8_ds_mla",
+                       "flashmla_sparse_s2046_topk2048_q3", "flashmla_sparse_s512_topk64", "vllm_cpu_page16_varlen"},
+    "flashmla": {"flashinfer_oob_nan_page16_q17", "flashinfer_oob_nan_page16_q7", "flashinfer_page1_lens",
+                 "flashinfer_page1_q5_h64", "flashmla_s140_h126_fp8", "flashmla_s4096_h16_q2_fp8_ds_mla",
+                 "q4_longer_than_sequence", "sglang_sparse_topk128_bf16", "sparse_repeated_slot",
+                 "vllm_cpu_page16_varlen", "vllm_flashmla_randn_q_fp8_q2", "vllm_triton_l1025_page16_h32", "vllm_triton_l1027_page1_h32"},
+    "triton": set(),
+}
+SM90_REFUSALS["flashinfer_fa3"] = SM90_REFUSALS["flashinfer_fa2"]
+
+
+@pytest.mark.parametrize("backend_name", sorted(SM90_REFUSALS))
+def test_what_each_hopper_backend_refuses_of_the_grid(backend_name):
+    backend = get_backend(backend_name)
+    refused = set()
+    for name, case in CASES.items():
+        problem = dataclasses.replace(check_decode_args(*build(case, seed=0).args()), device_type="cuda")
+        if backend.supports(problem, (9, 0)) is not None:
+            refused.add(name)
+    assert refused == SM90_REFUSALS[backend_name]
+
+
 def _gpu_case(backend_name, name):
     case = CASES[name]
     x = build(case, device="cuda", seed=len(name))
