@@ -333,14 +333,17 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
     row = {"case": f"B={B} H={H} {fmt} S=4096", "device": torch.cuda.get_device_name(),
            "backend": mla_inductor.backend_for_call(*op_args).backend}
     peer_us = {}
+    missing = []  # peers not timed, named in the row: a "best peer" is the best of those that ran
     for name in names:
         try:
             call = peer_kernels.PEERS[name](c)
         except peer_kernels.PeerMissing as e:
             progress(f"  peer {name}: not installed ({e})")
+            missing.append(f"{name} (not installed)")
             continue
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
             progress(f"  peer {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+            missing.append(f"{name} ({type(e).__name__})")
             continue
         peer_us[name] = us_per_call(lambda: [call() for _ in range(args.calls)], args.calls, args.steps,
                                     lambda: None, sync)
@@ -348,6 +351,7 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
     if peer_us:
         row["best peer"] = min(peer_us, key=peer_us.get)
         row["peer"] = peer_us[row["best peer"]]
+    row["peers not timed"] = ", ".join(missing)
     eager = step_calls(args.calls)
     row["eager"] = us_per_call(lambda: eager(*op_args), args.calls, args.steps, before, sync)
     torch.compiler.reset()
@@ -377,7 +381,7 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
 NOOP_COLUMNS = ["case", "direct", "eager", "eager overhead", "compiled", "compiled overhead", "planned direct",
                 "planned eager", "planned eager overhead", "planned compiled", "planned compiled overhead"]
 REAL_COLUMNS = ["case", "backend", "best peer", "peer", "eager", "eager ratio", "compiled", "compiled ratio",
-                "eager launches", "compiled launches"]
+                "eager launches", "compiled launches", "peers not timed"]
 
 
 def markdown(noop_rows: list, real_rows: list, env: dict, args) -> str:
