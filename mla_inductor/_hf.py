@@ -416,10 +416,12 @@ class PagedMLACache(Cache):
         # Clamped so that an index never leaves the block table, even under torch.compile where the
         # capacity check (a host sync) is skipped.
         positions = positions.clamp(0, self.max_seq_len - 1)
-        slots = self.block_table.gather(1, positions // ps).long() * ps + positions % ps
+        # int32 throughout after the gather (the block table's dtype, the op's slot dtype): one cast, of the
+        # offsets within the page.
+        slots = self.block_table.gather(1, positions // ps) * ps + (positions % ps).to(torch.int32)
         if real is not None:
             slots = torch.where(real, slots, -1)
-        return slots.to(torch.int32).flatten()
+        return slots.flatten()
 
     def _begin_forward(self, num_columns: int) -> None:
         """At the forward's first MLA layer (in ``update``): count the new columns and decide prompt vs
@@ -454,12 +456,14 @@ class PagedMLACache(Cache):
         seq_lens[b] + (its real count) - 1; pads get slot -1 (not stored)."""
         real = self._real_new_tokens(attention_mask, B, Q)
         self._check_capacity(real, Q)
-        if real is None:  # every new token is real: no mask to read
+        if self._prompt_forward:
+            # An empty cache: every length is 0, so the positions need no read of seq_lens.
+            positions = torch.arange(Q, device=device).expand(B, Q) if real is None else real.cumsum(-1) - 1
+        elif real is None:  # every new token is real: no mask to read
             positions = self.seq_lens[:, None].long() + torch.arange(Q, device=device)
-            self.seq_lens.add_(Q)
         else:
-            positions = self.seq_lens[:, None].long() + real.long().cumsum(-1) - 1
-            self.seq_lens.add_(real.sum(-1, dtype=torch.int32))
+            positions = self.seq_lens[:, None].long() + real.cumsum(-1) - 1
+        self.seq_lens.add_(Q if real is None else real.sum(-1, dtype=torch.int32))
         self._new_slots = self._slots(positions, real)
 
     def _check_capacity(self, real: Optional[torch.Tensor], Q: int) -> None:
