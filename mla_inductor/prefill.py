@@ -13,7 +13,8 @@ The kernel (``prefill_kernel``): FlashInfer's single-request prefill (``flashinf
 one call per sequence) where it takes the call: CUDA, fp16/bf16, head dims (Dqk, Dv) of (64|128|256, same) or
 DeepSeek's (192, 128), strides and pointers 16-byte aligned; its FA3 kernels on SM90, FA2 elsewhere. Torch's
 sdpa otherwise (CPU, fp32, other head dims, FlashInfer not installed). Torch's sdpa has no flash kernel for
-Dqk != Dv, so on a GPU DeepSeek's dims otherwise run its memory-efficient kernel.
+Dqk != Dv, so on a GPU DeepSeek's dims otherwise run its memory-efficient kernel. FlashInfer builds each
+kernel on its first use; one whose first call fails is left for sdpa, with a warning (``FlashInferBuilds``).
 
 Importing this module registers the op (``mla_inductor.hf`` does); FlashInfer is imported on the first call
 it takes. The fake impl lets ``torch.compile`` keep the op in its graph.
@@ -21,6 +22,7 @@ it takes. The fake impl lets ``torch.compile`` keep the op in its graph.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -87,7 +89,43 @@ def prefill_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> str:
     ``"flashinfer-fa2"`` or ``"sdpa"`` (see ``flashinfer_reason`` for why not FlashInfer)."""
     if flashinfer_reason(q, k, v) is not None:
         return SDPA
-    return FLASHINFER_FA3 if torch.cuda.get_device_capability(q.device) == FA3_CAPABILITY else FLASHINFER_FA2
+    kernel = FLASHINFER_FA3 if torch.cuda.get_device_capability(q.device) == FA3_CAPABILITY else FLASHINFER_FA2
+    return SDPA if FLASHINFER_BUILDS.failed(_module_key(kernel, q, v)) else kernel
+
+
+def _module_key(kernel: str, q: Tensor, v: Tensor) -> tuple:
+    """What a FlashInfer single-prefill module is built for (one JIT build each)."""
+    return kernel, q.dtype, q.shape[-1], v.shape[-1]
+
+
+class FlashInferBuilds:
+    """FlashInfer builds each prefill kernel on its first use (JIT, minutes on a machine without its prebuilt
+    cache; impossible without a CUDA compiler). A kernel whose first call fails is not called again: its
+    calls go to sdpa, with one warning naming the error. A kernel that has run once is never disabled (a
+    later failure is a real error and propagates)."""
+
+    def __init__(self):
+        self.ran: set[tuple] = set()
+        self.errors: dict[tuple, str] = {}
+
+    def failed(self, key: tuple) -> bool:
+        return key in self.errors
+
+    def run(self, key: tuple, kernel, fallback):
+        if key in self.ran:
+            return kernel()
+        try:
+            out = kernel()
+        except Exception as e:  # noqa: BLE001 - whatever the build or load raised: see the class docstring
+            self.errors[key] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"mla.prefill_attention: FlashInfer's prefill kernel {key} failed on its first call "
+                          f"({self.errors[key]}); its calls run torch's sdpa instead", RuntimeWarning, stacklevel=3)
+            return fallback()
+        self.ran.add(key)
+        return out
+
+
+FLASHINFER_BUILDS = FlashInferBuilds()
 
 
 def flashinfer_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
@@ -145,7 +183,10 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, cau
     kernel = prefill_kernel(q, k, v, causal)
     if kernel == SDPA:
         return sdpa_prefill(q, k, v, softmax_scale, causal)
-    return flashinfer_prefill(q, k, v, softmax_scale, causal, "fa3" if kernel == FLASHINFER_FA3 else "fa2")
+    backend = "fa3" if kernel == FLASHINFER_FA3 else "fa2"
+    return FLASHINFER_BUILDS.run(_module_key(kernel, q, v),
+                                 lambda: flashinfer_prefill(q, k, v, softmax_scale, causal, backend),
+                                 lambda: sdpa_prefill(q, k, v, softmax_scale, causal))
 
 
 @prefill_attention.register_fake
@@ -155,5 +196,5 @@ def _(q, k, v, softmax_scale, causal=True):
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
 
 
-__all__ = ["FLASHINFER_FA2", "FLASHINFER_FA3", "SDPA", "check_prefill_args", "flashinfer_reason", "prefill_attention",
+__all__ = ["FLASHINFER_BUILDS", "FLASHINFER_FA2", "FLASHINFER_FA3", "SDPA", "check_prefill_args", "flashinfer_reason", "prefill_attention",
            "prefill_kernel"]
