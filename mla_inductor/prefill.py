@@ -71,7 +71,8 @@ def check_prefill_args(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, ca
     if k.shape[3] != D:
         fail(OP, ValueError, f"k's head_dim must be q's ({D}), got k {tuple(k.shape)}")
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
-        fail(OP, ValueError, f"v must be [B, Hkv, S, Dv] with k's Hkv and S, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        fail(OP, ValueError,
+             f"v must be [B, Hkv, S, Dv] with k's Hkv and S, got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape[1] < 1 or H % k.shape[1] != 0:
         fail(OP, ValueError, f"q's heads ({H}) must be a multiple of k's and v's ({k.shape[1]})")
     if causal and Q != k.shape[2]:
@@ -196,5 +197,5 @@ def _(q, k, v, softmax_scale, causal=True):
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
 
 
-__all__ = ["FLASHINFER_BUILDS", "FLASHINFER_FA2", "FLASHINFER_FA3", "SDPA", "check_prefill_args", "flashinfer_reason", "prefill_attention",
-           "prefill_kernel"]
+__all__ = ["FLASHINFER_BUILDS", "FLASHINFER_FA2", "FLASHINFER_FA3", "SDPA", "FlashInferBuilds", "check_prefill_args",
+           "flashinfer_reason", "prefill_attention", "prefill_kernel", "sdpa_prefill"]
