@@ -182,6 +182,7 @@ def test_flashinfer_matches_reference_on_gpu(dims, B, Q, causal):
     assert kernel == expected_kernel
     scale = 1 / (dims["Dqk"] ** 0.5) * 1.3
     out = torch.ops.mla.prefill_attention(q, k, v, scale, causal)
+    assert not prefill.FLASHINFER_BUILDS.errors, prefill.FLASHINFER_BUILDS.errors  # it ran, no sdpa fallback
     want = attention_reference(q, k, v, scale, causal)
     assert out.shape == want.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     err = relative_error(out, want)
