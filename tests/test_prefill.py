@@ -345,9 +345,10 @@ def test_unpadded_prompt_runs_the_prompt_kernel_and_generates_hf_eager_tokens():
 
 
 @pytest.mark.gpu
-def test_hf_prefill_on_gpu_matches_hf_sdpa():
-    """bf16 DeepSeek-V3 (DeepSeek's head dims, 16 heads), 512-token prompt: our prefill's last logits against
-    HF's sdpa with a DynamicCache; and the prompt kernel ran FlashInfer when it is installed."""
+def test_hf_prefill_on_gpu_is_as_accurate_as_hf_sdpa():
+    """bf16 DeepSeek-V3 (DeepSeek's head dims, 16 heads), 512-token prompt: our prefill's logits are as close to
+    the fp32 model's (HF sdpa) as HF's own bf16 sdpa prefill is; the prompt kernel ran FlashInfer when it
+    takes the call."""
     _transformers_or_skip()
     from transformers import DynamicCache
 
@@ -359,19 +360,24 @@ def test_hf_prefill_on_gpu_matches_hf_sdpa():
         "v3", attn_implementation="sdpa", vocab_size=1024, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
         qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=2, max_position_embeddings=1024, pad_token_id=0,
-    ).to("cuda", torch.bfloat16)
+    ).to("cuda")
     ids = torch.randint(1, 1024, (1, 512), device="cuda")
+
+    def logits(cache):
+        return model(ids, past_key_values=cache, use_cache=True).logits.float()
+
     with torch.no_grad():
-        want = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits.float()
+        truth = logits(DynamicCache(config=model.config))
+        model.to(torch.bfloat16)
+        hf_bf16 = logits(DynamicCache(config=model.config))
         model.set_attn_implementation(hf.register())
-        cache = hf.PagedMLACache(model, batch_size=1, max_seq_len=600)
         with RecordPromptKernel() as record:
-            got = model(ids, past_key_values=cache, use_cache=True).logits.float()
-    assert record.kernels and set(record.kernels) == {record.kernels[0]}
+            ours = logits(hf.PagedMLACache(model, batch_size=1, max_seq_len=600))
+    assert len(record.kernels) == 2 and len(set(record.kernels)) == 1, record.kernels
     if prefill.flashinfer_reason(*record.args) is None:
-        assert record.kernels[0].startswith("flashinfer")
-    assert relative_error(got, want) < 3e-2
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.98
+        assert record.kernels[0].startswith("flashinfer"), record.kernels
+    ours_err, hf_err = relative_error(ours, truth), relative_error(hf_bf16, truth)
+    assert ours_err < 1.5 * hf_err + 1e-3, (ours_err, hf_err)
 
 
 class RecordPromptKernel(TorchDispatchMode):
