@@ -38,9 +38,12 @@ Dynamo's graph breaks, graphs, frames compiled and Inductor's CUDA-graph skips (
 path: one graph, compiled once, replayed as one CUDA graph every step).
 
 Prefill rows: one forward of a ``--prefill-len``-token prompt (batch ``--prefill-batch``): ours
-(``prefill-mla``: HF's sdpa on keys/values expanded from the prompt's own latents, the latents written
-into a fresh paged cache) against HF's sdpa with a DynamicCache (``prefill-hf``); the two are timed in
-turn (hf, ours, hf, ours, ...) so that a drifting clock favours neither; median of ``--prefill-repeats``.
+(``prefill-mla``: ``mla.prefill_attention`` on keys/values expanded from the prompt's own latents, the
+latents written into a fresh paged cache) against HF's sdpa with a DynamicCache (``prefill-hf``); the two
+are timed in turn (hf, ours, hf, ours, ...) so that a drifting clock favours neither; median of
+``--prefill-repeats``. The kernel column of ``prefill-mla`` is the prompt kernel that ran (FlashInfer's
+FA3 / FA2 prefill or torch's sdpa: ``mla_inductor.prefill.prefill_kernel`` on the arguments of the calls
+of one more, untimed, forward).
 
 Prints progress and a markdown table; ``--out DIR`` writes bench_generate.md and .json. A row that fails
 prints its error and the run goes on.
@@ -59,6 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from report import add_out_argument, environment, environment_line, markdown_table, progress, write_results
 
 from bench_e2e import REAL_V3_ATTENTION, SMALL_ATTENTION, YARN  # one DeepSeek-V3 shape for both
@@ -311,8 +315,9 @@ def bench_prefill(model, args, device) -> list[Row]:
 
     rows = {"prefill-hf": Row("prefill-hf", f"sdpa attention, DynamicCache, {args.prefill_len}-token prompt",
                               args.prefill_batch),
-            "prefill-mla": Row("prefill-mla", "mla_inductor attention: sdpa on the prompt's expanded latents, latents "
-                               f"into a PagedMLACache, {args.prefill_len}-token prompt", args.prefill_batch)}
+            "prefill-mla": Row("prefill-mla", "mla_inductor attention: mla.prefill_attention on the prompt's expanded "
+                               f"latents, latents into a PagedMLACache, {args.prefill_len}-token prompt",
+                               args.prefill_batch)}
     ids = random_ids(args.prefill_batch, args.prefill_len, model.config.vocab_size, device)
     cache = hf.PagedMLACache(model, batch_size=args.prefill_batch, max_seq_len=args.prefill_len, fmt=args.fmt)
     implementation = {"prefill-hf": "sdpa", "prefill-mla": hf.register()}
@@ -334,7 +339,29 @@ def bench_prefill(model, args, device) -> list[Row]:
     for name, row in rows.items():
         row.ms = 1e3 * statistics.median(times[name])
         row.tokens_per_s = args.prefill_batch * args.prefill_len / (row.ms / 1e3)
+    rows["prefill-hf"].kernel = "HF sdpa on expanded K/V"
+    model.set_attn_implementation(implementation["prefill-mla"])
+    with torch.no_grad(), PromptKernels() as ran:
+        forward("prefill-mla")
+    rows["prefill-mla"].kernel = ", ".join(sorted(set(ran.kernels))) or "HF sdpa with the padding mask"
     return list(rows.values())
+
+
+class PromptKernels(TorchDispatchMode):
+    """The prompt kernel of each ``mla.prefill_attention`` call (``prefill.prefill_kernel`` on its arguments,
+    after it ran: a FlashInfer kernel whose first call failed reads as sdpa)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.mla.prefill_attention.default:
+            from mla_inductor.prefill import prefill_kernel
+
+            self.kernels.append(prefill_kernel(*args[:3]))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------- report

@@ -17,8 +17,10 @@ link below) and returns them unchanged, so HF expands only the new tokens. The a
 them into the paged cache with ``mla.cache_append`` (it alone knows which new tokens are padding: the
 mask says so) and then either
 
-- runs HF's own sdpa on the expanded new tokens, for the first forward on an empty cache (a prompt:
-  ordinary attention costs less than the absorbed form there), or
+- runs ordinary attention on the expanded new tokens, for the first forward on an empty cache (a prompt:
+  ordinary attention costs less than the absorbed form there): ``mla.prefill_attention`` (FlashInfer's
+  prefill kernel where it takes the call, torch's sdpa otherwise) when no token is padding, HF's own sdpa
+  with the mask for a padded batch, or
 - absorbs the query (W_UK from ``kv_b_proj``), calls ``mla.paged_decode`` over the whole paged cache and
   applies W_UV: decode steps and any chunk appended to a filled cache. The expansion HF made from the
   returned latents is then unused (dead code under ``torch.compile``).
@@ -49,6 +51,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from mla_inductor._compat import mark_static_address
 from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache
+from mla_inductor.prefill import prefill_attention
 
 ATTN_IMPLEMENTATION = "mla_inductor"
 _LINK_ATTR = "_mla_inductor_link"
@@ -529,6 +532,8 @@ class PagedMLACache(Cache):
         torch.ops.mla.cache_append(self.kv_caches[layer], kv_c.reshape(B * Q, -1), k_pe.reshape(B * Q, -1), slots,
                                    self.kv_scale)
         if prompt:
+            if attention_mask is None and indices is None:  # every token real: the causal prompt kernel
+                return prefill_attention(query, key, value, scaling, causal=True), None
             if self.sparse and attention_mask is not None:
                 attention_mask = attention_mask[..., :Q]  # the prompt fills the first columns
             return sdpa_attention_forward(module, query, key, value, _with_top_k(attention_mask, indices, B, Q),

@@ -1,0 +1,201 @@
+"""``torch.ops.mla.prefill_attention``: a prompt's ordinary (un-absorbed) attention on keys/values expanded
+from its latents, for the prefill of an MLA model. Schema, fake impl and kernel choice side by side.
+
+    out = torch.ops.mla.prefill_attention(q, k, v, softmax_scale, causal=True)
+
+q [B, H, Q, Dqk], k [B, Hkv, S, Dqk], v [B, Hkv, S, Dv] (sdpa's layout; any strides with a contiguous last
+dim; H a multiple of Hkv) -> out [B, Q, H, Dv], contiguous: token-major, the layout HF's attention functions
+return, so that the caller's ``reshape(B, Q, H * Dv)`` is a view. ``causal``: query i attends keys 0..i
+(then Q == S: a prompt attending to itself); otherwise every query attends every key. No mask: a padded
+batch goes to ``torch.nn.functional.scaled_dot_product_attention`` with its mask, in the caller.
+
+The kernel (``prefill_kernel``): FlashInfer's single-request prefill (``flashinfer.single_prefill_with_kv_cache``,
+one call per sequence) where it takes the call: CUDA, fp16/bf16, head dims (Dqk, Dv) of (64|128|256, same) or
+DeepSeek's (192, 128), strides and pointers 16-byte aligned; its FA3 kernels on SM90, FA2 elsewhere. Torch's
+sdpa otherwise (CPU, fp32, other head dims, FlashInfer not installed). Torch's sdpa has no flash kernel for
+Dqk != Dv, so on a GPU DeepSeek's dims otherwise run its memory-efficient kernel. FlashInfer builds each
+kernel on its first use; one whose first call fails is left for sdpa, with a warning (``FlashInferBuilds``).
+
+Importing this module registers the op (``mla_inductor.hf`` does); FlashInfer is imported on the first call
+it takes. The fake impl lets ``torch.compile`` keep the op in its graph.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mla_inductor._compat import argument_errors_reach_the_user
+from mla_inductor.contract import fail
+
+Tensor = torch.Tensor
+
+OP = "prefill_attention"
+SDPA = "sdpa"
+FLASHINFER_FA3 = "flashinfer-fa3"
+FLASHINFER_FA2 = "flashinfer-fa2"
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FA3_CAPABILITY = (9, 0)  # FlashInfer's FA3 kernels are built for sm_90a only
+
+
+def _flashinfer_head_dims(head_dim_qk: int, head_dim_vo: int) -> bool:
+    """The (Dqk, Dv) pairs FlashInfer's prefill kernels are built for (its ``is_fa3_prefill_head_dim_supported``;
+    its FA2 kernels cover the same pairs)."""
+    if head_dim_qk == head_dim_vo:
+        return head_dim_qk in (64, 128, 256)
+    return (head_dim_qk, head_dim_vo) == (192, 128)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def check_prefill_args(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> None:
+    """Shapes, dtypes and devices (no data read); ``mla.prefill_attention: ``-prefixed errors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            fail(OP, ValueError, f"{name} must be 4-D [B, heads, tokens, head_dim], got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            fail(OP, TypeError, f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.stride(-1) != 1:
+            fail(OP, ValueError, f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if not q.dtype == k.dtype == v.dtype:
+        fail(OP, TypeError, f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        fail(OP, ValueError, f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, Q, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        fail(OP, ValueError, f"k and v must have q's batch {B}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[3] != D:
+        fail(OP, ValueError, f"k's head_dim must be q's ({D}), got k {tuple(k.shape)}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        fail(OP, ValueError,
+             f"v must be [B, Hkv, S, Dv] with k's Hkv and S, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1] != 0:
+        fail(OP, ValueError, f"q's heads ({H}) must be a multiple of k's and v's ({k.shape[1]})")
+    if causal and Q != k.shape[2]:
+        fail(OP, ValueError, f"causal=True needs as many queries as keys (a prompt attending to itself), got "
+                             f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not softmax_scale > 0:
+        fail(OP, ValueError, f"softmax_scale must be > 0, got {softmax_scale}")
+
+
+# ----------------------------------------------------------------------------- kernel choice
+
+
+def prefill_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> str:
+    """Which kernel runs ``mla.prefill_attention`` on these arguments: ``"flashinfer-fa3"``,
+    ``"flashinfer-fa2"`` or ``"sdpa"`` (see ``flashinfer_reason`` for why not FlashInfer)."""
+    if flashinfer_reason(q, k, v) is not None:
+        return SDPA
+    kernel = FLASHINFER_FA3 if torch.cuda.get_device_capability(q.device) == FA3_CAPABILITY else FLASHINFER_FA2
+    return SDPA if FLASHINFER_BUILDS.failed(_module_key(kernel, q, v)) else kernel
+
+
+def _module_key(kernel: str, q: Tensor, v: Tensor) -> tuple:
+    """What a FlashInfer single-prefill module is built for (one JIT build each)."""
+    return kernel, q.dtype, q.shape[-1], v.shape[-1]
+
+
+class FlashInferBuilds:
+    """FlashInfer builds each prefill kernel on its first use (JIT, minutes on a machine without its prebuilt
+    cache; impossible without a CUDA compiler). A kernel whose first call fails is not called again: its
+    calls go to sdpa, with one warning naming the error. A kernel that has run once is never disabled (a
+    later failure is a real error and propagates)."""
+
+    def __init__(self):
+        self.ran: set[tuple] = set()
+        self.errors: dict[tuple, str] = {}
+
+    def failed(self, key: tuple) -> bool:
+        return key in self.errors
+
+    def run(self, key: tuple, kernel, fallback):
+        if key in self.ran:
+            return kernel()
+        try:
+            out = kernel()
+        except Exception as e:  # noqa: BLE001 - whatever the build or load raised: see the class docstring
+            self.errors[key] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"mla.prefill_attention: FlashInfer's prefill kernel {key} failed on its first call "
+                          f"({self.errors[key]}); its calls run torch's sdpa instead", RuntimeWarning, stacklevel=3)
+            return fallback()
+        self.ran.add(key)
+        return out
+
+
+FLASHINFER_BUILDS = FlashInferBuilds()
+
+
+def flashinfer_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """None when FlashInfer's prefill takes the call, else why not."""
+    if q.device.type != "cuda":
+        return f"FlashInfer runs on CUDA, got {q.device}"
+    if q.dtype not in FLASHINFER_DTYPES:
+        return f"FlashInfer's prefill takes fp16/bf16, got {q.dtype}"
+    if not _flashinfer_head_dims(q.shape[-1], v.shape[-1]):
+        return f"FlashInfer's prefill has no kernel for head dims (qk {q.shape[-1]}, vo {v.shape[-1]})"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # Its kernels load with 16-byte vectors (FA3: TMA): every stride and the base 16-byte aligned.
+        step = 16 // t.element_size()
+        if t.data_ptr() % 16 or any(s % step for s in t.stride()[:-1]):
+            return f"{name} is not 16-byte aligned (strides {t.stride()})"
+    if max(t.stride(i) for t in (q, k, v) for i in range(3)) >= 2**31:
+        return "a stride does not fit FlashInfer's 32-bit strides"
+    from mla_inductor.backends._flashinfer_common import flashinfer_unavailable_reason
+
+    return flashinfer_unavailable_reason()
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def sdpa_prefill(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> Tensor:
+    """Torch's sdpa, as HF's sdpa attention calls it (``is_causal`` only with more than one query)."""
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, is_causal=causal and q.shape[2] > 1, **gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def flashinfer_prefill(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str) -> Tensor:
+    """FlashInfer's single-request prefill, one call per sequence: q[b] as [Q, H, Dqk] (NHD, a transposed
+    view), k[b] / v[b] as HND [Hkv, S, D]; its output [Q, H, Dv] is already token-major."""
+    from mla_inductor.backends._flashinfer_common import flashinfer_module
+
+    run = flashinfer_module().single_prefill_with_kv_cache
+    outs = [run(q[b].transpose(0, 1), k[b], v[b], causal=causal, kv_layout="HND", sm_scale=softmax_scale,
+                backend=backend) for b in range(q.shape[0])]
+    return outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("mla::prefill_attention", mutates_args=())
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool = True) -> Tensor:
+    """Ordinary attention of a prompt: q [B, H, Q, Dqk], k [B, Hkv, S, Dqk], v [B, Hkv, S, Dv] -> [B, Q, H, Dv]
+    contiguous; ``causal`` (Q == S): query i attends keys 0..i. FlashInfer's prefill where it takes the call,
+    torch's sdpa otherwise (``prefill_kernel``)."""
+    check_prefill_args(q, k, v, softmax_scale, causal)
+    if q.shape[0] == 0 or q.shape[2] == 0:
+        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
+    kernel = prefill_kernel(q, k, v, causal)
+    if kernel == SDPA:
+        return sdpa_prefill(q, k, v, softmax_scale, causal)
+    backend = "fa3" if kernel == FLASHINFER_FA3 else "fa2"
+    return FLASHINFER_BUILDS.run(_module_key(kernel, q, v),
+                                 lambda: flashinfer_prefill(q, k, v, softmax_scale, causal, backend),
+                                 lambda: sdpa_prefill(q, k, v, softmax_scale, causal))
+
+
+@prefill_attention.register_fake
+def _(q, k, v, softmax_scale, causal=True):
+    with argument_errors_reach_the_user():
+        check_prefill_args(q, k, v, softmax_scale, causal)
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
+
+
+__all__ = ["FLASHINFER_BUILDS", "FLASHINFER_FA2", "FLASHINFER_FA3", "SDPA", "FlashInferBuilds", "check_prefill_args",
+           "flashinfer_reason", "prefill_attention", "prefill_kernel", "sdpa_prefill"]
