@@ -160,13 +160,17 @@ def sdpa_prefill(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: 
 
 
 def flashinfer_prefill(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str) -> Tensor:
-    """FlashInfer's single-request prefill, one call per sequence: q[b] as [Q, H, Dqk] (NHD, a transposed
-    view), k[b] / v[b] as HND [Hkv, S, D]; its output [Q, H, Dv] is already token-major."""
+    """FlashInfer's single-request prefill, one call per sequence: q[b] as [Q, H, Dqk], k[b] / v[b] as
+    [S, Hkv, D] (NHD, transposed views: FlashInfer reads the strides); its output [Q, H, Dv] is already
+    token-major."""
     from mla_inductor.backends._flashinfer_common import flashinfer_module
 
     run = flashinfer_module().single_prefill_with_kv_cache
-    outs = [run(q[b].transpose(0, 1), k[b], v[b], causal=causal, kv_layout="HND", sm_scale=softmax_scale,
-                backend=backend) for b in range(q.shape[0])]
+    # NHD views, not kv_layout="HND": FlashInfer's SM90 (FA3) single prefill reads kv_len and num_kv_heads as
+    # k.size(0) / k.size(1) whatever the layout (0.6.18), so an HND k gives a wrong kv_len and a zero group
+    # size (a division by zero on the host). Its FA2 path reads both layouts; NHD suits both.
+    outs = [run(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), causal=causal, kv_layout="NHD",
+                sm_scale=softmax_scale, backend=backend) for b in range(q.shape[0])]
     return outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
 
 

@@ -52,6 +52,38 @@ def hf_like_inputs(B, Q, H, Hkv, Dqk, Dv, dtype=torch.float32, device="cpu", see
 # ---------------------------------------------------------------------------------------------- the op (CPU)
 
 
+class _FlashInferSM90Reader:
+    """Stands in for FlashInfer's ``single_prefill_with_kv_cache`` as its SM90 (FA3) binding reads its arguments
+    (0.6.18): kv_len = k.size(0) and num_kv_heads = k.size(1) whatever ``kv_layout`` says, q / k / v through
+    their strides; then float64 attention. A call handing it HND-laid k/v computes with swapped sizes (on the
+    GPU: garbage, or a division by zero on the host when S > H)."""
+
+    def __init__(self):
+        self.layouts = []
+
+    def single_prefill_with_kv_cache(self, q, k, v, causal, kv_layout, sm_scale, backend):
+        self.layouts.append(kv_layout)
+        kv_len, num_kv_heads = k.size(0), k.size(1)
+        assert num_kv_heads >= 1 and q.size(1) % num_kv_heads == 0, "zero group size: FA3 would divide by zero"
+        out = attention_reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                  sm_scale, causal)
+        return out[0].to(q.dtype)
+
+
+@pytest.mark.parametrize("dims", [DEEPSEEK, GQA], ids=["deepseek", "gqa"])
+def test_flashinfer_call_gives_token_major_kv_as_sm90_reads_it(monkeypatch, dims):
+    """The FlashInfer call hands k / v as [S, Hkv, D] (NHD) views, the layout FlashInfer's SM90 kernel reads
+    whatever its kv_layout argument says; the result equals the reference."""
+    from mla_inductor.backends import _flashinfer_common
+
+    fake = _FlashInferSM90Reader()
+    monkeypatch.setattr(_flashinfer_common, "flashinfer_module", lambda: fake)
+    q, k, v = hf_like_inputs(2, 33, **dims, seed=5)
+    out = prefill.flashinfer_prefill(q, k, v, 0.3, True, "fa3")
+    assert fake.layouts == ["NHD", "NHD"]
+    assert relative_error(out, attention_reference(q, k, v, 0.3, True)) < 1e-6
+
+
 @pytest.mark.parametrize("dims", [DEEPSEEK, GQA], ids=["deepseek", "gqa"])
 @pytest.mark.parametrize("B, Q", [(1, 1), (1, 37), (3, 20)])
 @pytest.mark.parametrize("causal", [True, False])
