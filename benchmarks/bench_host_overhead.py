@@ -387,9 +387,6 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------- real backends, library stubbed
 
-STUB_BACKENDS = ("flashinfer_fa3", "flashmla", "triton")
-
-
 class _StubFlashInferModule:
     """A planned wrapper's compiled module: its ``run`` is the library's kernel call, here a no-op."""
 
@@ -463,42 +460,53 @@ def _stub_flashmla_providers():
     return flashmla.Providers((StubProvider("stub_flash_mla", None),))
 
 
+def _stub_flashinfer(stack: contextlib.ExitStack) -> None:
+    # Only this entry: patch.dict(sys.modules) would also drop every module first imported inside.
+    previous = sys.modules.get("flashinfer")
+    sys.modules["flashinfer"] = _stub_flashinfer_package()
+    stack.callback(lambda: sys.modules.__setitem__("flashinfer", previous) if previous is not None
+                   else sys.modules.pop("flashinfer", None))
+
+
+def _stub_flashmla(stack: contextlib.ExitStack) -> None:
+    from mla_inductor.backends import flashmla
+
+    providers = _stub_flashmla_providers()
+    stack.enter_context(mock.patch.object(flashmla, "find_providers", lambda: providers))
+    flashmla.metadata_shape.cache_clear()
+    stack.callback(flashmla.metadata_shape.cache_clear)
+
+
+def _stub_triton(stack: contextlib.ExitStack) -> None:
+    from mla_inductor.kernels import decode as triton_decode
+    from mla_inductor.kernels.launch import KernelLaunch
+
+    # The kernel as found for the device (CPU tensors need no interpreter: nothing is launched).
+    stack.enter_context(mock.patch.object(triton_decode, "_kernel_for", lambda kernel, device: kernel))
+    stack.enter_context(mock.patch.object(KernelLaunch, "__call__", lambda launch, *tensors: None))
+
+
+# backend -> what replaces its library's kernel call
+STUBS = {"flashinfer_fa3": _stub_flashinfer, "flashmla": _stub_flashmla, "triton": _stub_triton}
+
+
 @contextlib.contextmanager
 def stubbed_library(name: str):
-    """Backend ``name`` (one of STUB_BACKENDS) preferred and accepting every call, its library's kernel call
-    a no-op; everything of ours around it runs as on a GPU (selection, plans, allocations, views)."""
+    """Backend ``name`` (a key of STUBS) preferred and accepting every call, its library's kernel call a no-op;
+    everything of ours around it runs as on a GPU (selection, plans, allocations, views)."""
     from mla_inductor.backends import get_backend
 
     backend = get_backend(name)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(backend, "unavailable_reason", lambda: None))
         stack.enter_context(mock.patch.object(backend, "supports", lambda problem, capability: None))
-        if name.startswith("flashinfer"):
-            # Only this entry: patch.dict(sys.modules) would also drop every module first imported inside.
-            previous = sys.modules.get("flashinfer")
-            sys.modules["flashinfer"] = _stub_flashinfer_package()
-            stack.callback(lambda: sys.modules.__setitem__("flashinfer", previous) if previous is not None
-                           else sys.modules.pop("flashinfer", None))
-        elif name == "flashmla":
-            from mla_inductor.backends import flashmla
-
-            providers = _stub_flashmla_providers()
-            stack.enter_context(mock.patch.object(flashmla, "find_providers", lambda: providers))
-            flashmla.metadata_shape.cache_clear()
-            stack.callback(flashmla.metadata_shape.cache_clear)
-        elif name == "triton":
-            from mla_inductor.kernels import decode as triton_decode
-            from mla_inductor.kernels.launch import KernelLaunch
-
-            # The kernel as found for the device (CPU tensors need no interpreter: nothing is launched).
-            stack.enter_context(mock.patch.object(triton_decode, "_kernel_for", lambda kernel, device: kernel))
-            stack.enter_context(mock.patch.object(KernelLaunch, "__call__", lambda launch, *tensors: None))
+        STUBS[name](stack)
         stack.enter_context(mla_inductor.prefer_backends(name))
         yield
 
 
 def time_stub_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> list[dict]:
-    """Each of STUB_BACKENDS with its library stubbed: eager and compiled µs per call (plan once per step)."""
+    """Each backend of STUBS with its library stubbed: eager and compiled µs per call (plan once per step)."""
     device = args.device
     op_args = make_args(B, H, fmt, device)
     seq_lens = op_args[4]
@@ -509,7 +517,7 @@ def time_stub_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> list[d
         mark_new_step(seq_lens, host_lens)
 
     rows = []
-    for name in STUB_BACKENDS:
+    for name in STUBS:
         row = {"case": f"B={B} H={H} {fmt}", "backend": name, "device": device}
         with stubbed_library(name), value_checks(args.value_checks, device):
             assert mla_inductor.backend_for_call(*op_args).backend == name
