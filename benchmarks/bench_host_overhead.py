@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host_overhead.py [--device cpu|cuda] [--calls 61] [--steps 40]
         [--cases 1x128:bf16,32x16:bf16,1x128:fp8_e4m3] [--value-checks off|device] [--profile]
-        [--real [--real-only]] [--out DIR]
+        [--real [--real-only]] [--stub [--stub-only]] [--out DIR]
 
 A no-op backend (``register_backend``, as a user would add one) claims every call and returns
 preallocated outputs, so what is timed is our own host work: the op's dispatch and Python (contract
@@ -29,6 +29,15 @@ directly with their plan made once (host wall time per call with a device sync p
 kernel is short and host time is most of it). It also lists the device kernels one step launches per
 op call, by name (torch.profiler; columns ``eager launches`` / ``compiled launches``): the attention
 kernel and every extra one (a split-KV merge, a plan's kernels shared by the step's calls, an epilogue).
+
+``--stub`` (any device, CPU included) also times our real backends' own Python with only the library's
+kernel call replaced by a no-op: FlashInfer's wrapper backend (``flashinfer_fa3``: a stand-in ``flashinfer``
+module whose wrapper records nothing and whose compiled module's ``run`` does nothing), FlashMLA (a provider
+whose metadata and kernel return preallocated tensors) and Triton (``KernelLaunch`` launching nothing),
+eager and compiled, with seq_lens marked written before each step (one plan per step). What it times is
+everything of ours between ``torch.ops.mla.paged_decode`` and the library call: contract, selection, plan
+reuse, output allocation, views, the backend's run wrapper. On a GPU the stubs run on CUDA tensors (the
+capture query and the device branches included); ``--stub-only`` leaves out the other rows.
 ``--out DIR`` writes bench_host_overhead.md / .json.
 """
 
@@ -376,19 +385,180 @@ def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
     return row
 
 
+# ----------------------------------------------------------------------------- real backends, library stubbed
+
+class _StubFlashInferModule:
+    """A planned wrapper's compiled module: its ``run`` is the library's kernel call, here a no-op."""
+
+    def run(self, *args):
+        return None
+
+
+class _StubFlashInferWrapper:
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` without FlashInfer: ``plan`` keeps nothing, ``run``
+    hands the call's tensors and planned state to the compiled module as FlashInfer 0.6 does."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        self._float_workspace_buffer = float_workspace_buffer
+        self._kv_indices = kv_indices
+        self._cached_module = _StubFlashInferModule()
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, *args, **kwargs):
+        self._planned = (num_heads, page_size, causal, sm_scale)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
+            return_lse_base_on_e=False, **kwargs):
+        num_heads, page_size, causal, sm_scale = self._planned
+        self._cached_module.run(self._float_workspace_buffer, self._float_workspace_buffer, None, q_nope, q_pe,
+                                ckv_cache, kpe_cache, self._kv_indices, out, lse, int(causal), num_heads,
+                                page_size, sm_scale, return_lse_base_on_e)
+        return (out, lse) if return_lse else out
+
+
+def _stub_flashinfer_package():
+    import types
+
+    package = types.ModuleType("flashinfer")
+    package.__version__ = "0.6.18"
+    package.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_StubFlashInferWrapper)
+    return package
+
+
+class _StubFlashMLAOutputs:
+    """FlashMLA's outputs per query shape: ``out [B, Q, H, 512]``, ``lse [B, H, Q]``, made once."""
+
+    def __init__(self):
+        self.by_shape = {}
+
+    def get(self, q):
+        key = (tuple(q.shape), q.device)
+        if key not in self.by_shape:
+            B, Q, H, _ = q.shape
+            self.by_shape[key] = (torch.empty(B, Q, H, 512, dtype=torch.bfloat16, device=q.device),
+                                  torch.empty(B, H, Q, dtype=torch.float32, device=q.device))
+        return self.by_shape[key]
+
+
+def _stub_flashmla_providers():
+    from mla_inductor.backends import flashmla
+
+    outputs = _StubFlashMLAOutputs()
+
+    class StubProvider(flashmla.Provider):
+        modes = frozenset(flashmla.MODES)
+
+        def metadata(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices):
+            return (torch.zeros(8, 8, dtype=torch.int32, device=q.device),
+                    torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device))
+
+        def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+                       q_descale, k_descale):
+            return outputs.get(q)
+
+    return flashmla.Providers((StubProvider("stub_flash_mla", None),))
+
+
+def _stub_flashinfer(stack: contextlib.ExitStack) -> None:
+    # Only this entry: patch.dict(sys.modules) would also drop every module first imported inside.
+    previous = sys.modules.get("flashinfer")
+    sys.modules["flashinfer"] = _stub_flashinfer_package()
+    stack.callback(lambda: sys.modules.__setitem__("flashinfer", previous) if previous is not None
+                   else sys.modules.pop("flashinfer", None))
+
+
+def _stub_flashmla(stack: contextlib.ExitStack) -> None:
+    from mla_inductor.backends import flashmla
+
+    providers = _stub_flashmla_providers()
+    stack.enter_context(mock.patch.object(flashmla, "find_providers", lambda: providers))
+    flashmla.metadata_shape.cache_clear()
+    stack.callback(flashmla.metadata_shape.cache_clear)
+
+
+def _stub_triton(stack: contextlib.ExitStack) -> None:
+    from mla_inductor.kernels import decode as triton_decode
+    from mla_inductor.kernels.launch import KernelLaunch
+
+    # The kernel as found for the device (CPU tensors need no interpreter: nothing is launched).
+    stack.enter_context(mock.patch.object(triton_decode, "_kernel_for", lambda kernel, device: kernel))
+    stack.enter_context(mock.patch.object(KernelLaunch, "__call__", lambda launch, *tensors: None))
+
+
+# backend -> what replaces its library's kernel call
+STUBS = {"flashinfer_fa3": _stub_flashinfer, "flashmla": _stub_flashmla, "triton": _stub_triton}
+
+
+@contextlib.contextmanager
+def stubbed_library(name: str):
+    """Backend ``name`` (a key of STUBS) preferred and accepting every call, its library's kernel call a no-op;
+    everything of ours around it runs as on a GPU (selection, plans, allocations, views)."""
+    from mla_inductor.backends import get_backend
+
+    backend = get_backend(name)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(backend, "unavailable_reason", lambda: None))
+        stack.enter_context(mock.patch.object(backend, "supports", lambda problem, capability: None))
+        STUBS[name](stack)
+        stack.enter_context(mla_inductor.prefer_backends(name))
+        yield
+
+
+def time_stub_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> list[dict]:
+    """Each backend of STUBS with its library stubbed: eager and compiled µs per call (plan once per step)."""
+    device = args.device
+    op_args = make_args(B, H, fmt, device)
+    seq_lens = op_args[4]
+    host_lens = seq_lens.to("cpu", copy=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def before():
+        mark_new_step(seq_lens, host_lens)
+
+    rows = []
+    for name in STUBS:
+        row = {"case": f"B={B} H={H} {fmt}", "backend": name, "device": device}
+        with stubbed_library(name), value_checks(args.value_checks, device):
+            assert mla_inductor.backend_for_call(*op_args).backend == name
+            eager = step_calls(args.calls)
+            torch.compiler.reset()
+            compiled = fresh_compile(step_calls(args.calls))
+            before()
+            compiled(*op_args)  # compiles
+            modes = {"eager": lambda: eager(*op_args), "compiled": lambda: compiled(*op_args)}
+            for mode, run in modes.items():
+                row[mode] = us_per_call(run, args.calls, args.steps, before, sync)
+            progress(f"  {name} (library stubbed): eager {row['eager']:.2f}  compiled {row['compiled']:.2f} us/call")
+            if args.profile:
+                row["profiles"] = {mode: profile_of(run, before, max(3, args.steps // 4), args.calls)
+                                   for mode, run in modes.items()}
+                for mode, text in row["profiles"].items():
+                    progress(f"--- cProfile, {name} stubbed, {row['case']}, {mode} ({args.calls} calls per step)\n"
+                             f"{text}")
+        torch.compiler.reset()
+        rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------- report
 
 NOOP_COLUMNS = ["case", "direct", "eager", "eager overhead", "compiled", "compiled overhead", "planned direct",
                 "planned eager", "planned eager overhead", "planned compiled", "planned compiled overhead"]
+STUB_COLUMNS = ["case", "backend", "eager", "compiled"]
 REAL_COLUMNS = ["case", "backend", "best peer", "peer", "eager", "eager ratio", "compiled", "compiled ratio",
                 "eager launches", "compiled launches", "peers not timed"]
 
 
-def markdown(noop_rows: list, real_rows: list, env: dict, args) -> str:
+def markdown(noop_rows: list, real_rows: list, env: dict, args, stub_rows: list = ()) -> str:
     lines = [f"# Host overhead per call ({args.calls} calls per step, median of {args.steps} steps)", "",
-             environment_line(env), "",
-             f"No-op backend, µs per call (value checks: {args.value_checks}); overhead = mode - direct:", "",
-             markdown_table(NOOP_COLUMNS, noop_rows)]
+             environment_line(env)]
+    if noop_rows:
+        lines += ["", f"No-op backend, µs per call (value checks: {args.value_checks}); overhead = mode - direct:", "",
+                  markdown_table(NOOP_COLUMNS, noop_rows)]
+    if stub_rows:
+        lines += ["", f"Our backends with the library's kernel call stubbed, µs per call (value checks: "
+                  f"{args.value_checks}; one plan per step):", "", markdown_table(STUB_COLUMNS, stub_rows)]
     if real_rows:
         lines += ["", "Real selected backend vs the peers called directly, host wall µs per call (device sync per "
                   "step):", "", markdown_table(REAL_COLUMNS, real_rows)]
@@ -405,6 +575,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--profile", action="store_true", help="print (and keep) a cProfile of each mode")
     parser.add_argument("--real", action="store_true", help="on a GPU: also the real selected backend and the peers")
     parser.add_argument("--real-only", action="store_true", help="with --real: leave out the no-op backend's rows")
+    parser.add_argument("--stub", action="store_true",
+                        help="also our FlashInfer / FlashMLA / Triton backends with the library call stubbed")
+    parser.add_argument("--stub-only", action="store_true", help="with --stub: only the stubbed backends' rows")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -413,14 +586,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     register_backend(NOOP_PLANNED, NoopBackend(NOOP_PLANNED, planned=True))
     env = environment()
     progress(environment_line(env))
-    noop_rows, real_rows = [], []
+    noop_rows, real_rows, stub_rows = [], [], []
     try:
-        for B, H, fmt in ([] if args.real and args.real_only else args.cases):
+        for B, H, fmt in ([] if (args.real and args.real_only) or (args.stub and args.stub_only) else args.cases):
             progress(f"## no-op backend, B={B} H={H} {fmt} on {args.device}")
             noop_rows.append(time_noop_case(B, H, fmt, args))
     finally:
         unregister_backend(NOOP)
         unregister_backend(NOOP_PLANNED)
+    if args.stub:
+        for B, H, fmt in args.cases:
+            progress(f"## our backends, library stubbed, B={B} H={H} {fmt} on {args.device}")
+            stub_rows += time_stub_case(B, H, fmt, args)
     if args.real:
         if args.device != "cuda":
             progress("--real needs --device cuda (a GPU): the real backends were not timed")
@@ -428,9 +605,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             for B, H, fmt in args.cases:
                 progress(f"## real backend, B={B} H={H} {fmt}")
                 real_rows.append(time_real_case(B, H, fmt, args))
-    text = markdown(noop_rows, real_rows, env, args)
+    text = markdown(noop_rows, real_rows, env, args, stub_rows)
     print(text)
     write_results(args.out, "bench_host_overhead", text, {"environment": env, "noop": noop_rows, "real": real_rows,
+                                                         "stub": stub_rows,
                                                          "calls": args.calls, "steps": args.steps,
                                                          "value_checks": args.value_checks})
 

@@ -11,8 +11,9 @@ import contextlib
 import importlib.abc
 import itertools
 import logging
+import os
 import sys
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -26,6 +27,37 @@ def version_tuple(text: str, parts: int = 3) -> tuple[int, ...]:
     The one version parser of the package (library and CUDA version gates)."""
     pieces = (text.split("+")[0].split(".") + ["0"] * parts)[:parts]
     return tuple(int("".join(itertools.takewhile(str.isdigit, p)) or 0) for p in pieces)
+
+def environment_reader(name: str) -> Callable[[], Optional[str]]:
+    """A function returning ``os.environ.get(name)``, for settings read on every op call. It looks the name up
+    in ``os.environ``'s own dict of encoded names (the private ``os.environ._data``): a dict lookup, where
+    ``os.environ.get`` encodes the name and raises and catches a KeyError when it is unset (about 20x the
+    cost). Every write through ``os.environ`` (``os.environ[...] =``, ``monkeypatch.setenv``,
+    ``mock.patch.dict``) is seen at once, exactly as by ``os.environ.get``; ``os.putenv`` is seen by neither.
+    Falls back to ``os.environ.get`` where a Python's ``os.environ`` is built otherwise."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    encodekey, decodevalue = getattr(environ, "encodekey", None), getattr(environ, "decodevalue", None)
+    if not isinstance(data, dict) or encodekey is None or decodevalue is None:
+        return lambda: environ.get(name)
+    key, lookup = encodekey(name), data.get
+
+    def read() -> Optional[str]:
+        raw = lookup(key)
+        return None if raw is None else decodevalue(raw)
+
+    return read
+
+
+def stream_capture_query() -> Callable[[], bool]:
+    """``torch.cuda.is_current_stream_capturing`` without its Python wrapper (asked on every FlashInfer / FlashMLA
+    call; callers ask only for CUDA tensors): ``torch._C._cuda_isCurrentStreamCapturing`` where this torch is
+    built with CUDA (a CPU build has a placeholder of that name that raises), else the public function."""
+    query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    if query is None or not torch.backends.cuda.is_built():
+        return torch.cuda.is_current_stream_capturing
+    return query
+
 
 def check_value(cond, message: Callable[[], str]) -> None:
     """``torch._check_value``: a guard for backed symbolic sizes, a runtime assert for unbacked ones."""

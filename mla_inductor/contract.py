@@ -36,13 +36,12 @@ garbage: only pass one measured on real activations.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from mla_inductor._compat import assert_on_device, check_value
+from mla_inductor._compat import assert_on_device, check_value, environment_reader
 from mla_inductor.cache import (
     FP8_DS_MLA_LATENT,
     FP8_DS_MLA_ROPE,
@@ -230,10 +229,6 @@ def check_decode_args(
     )
 
 
-def _meta(t) -> Optional[tuple]:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def call_signature(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None,
                    q_scale=None) -> tuple:
     """Everything about a decode call that ``check_decode_args`` reads, as a key: shapes, strides, dtypes and
@@ -241,15 +236,23 @@ def call_signature(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
     stored key). Calls with equal signatures differ only in their tensors' addresses and contents, so what
     the checks and a backend decide from one holds for all: eager calls and backends cache by it. Assumes
     tensors where the schema has them (the dispatcher checked): AttributeError otherwise."""
+    # One flat tuple, the optional tensors inline: built on every eager call.
     return (q_nope.shape, q_nope.stride(), q_nope.dtype, q_nope.device, q_pe.shape, q_pe.stride(), q_pe.dtype,
             q_pe.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, block_table.shape,
             block_table.stride(), block_table.dtype, block_table.device, seq_lens.shape, seq_lens.stride(),
-            seq_lens.dtype, seq_lens.device, type(softmax_scale), softmax_scale, _meta(kv_scale),
-            _meta(sparse_indices), _meta(q_scale))
+            seq_lens.dtype, seq_lens.device, type(softmax_scale), softmax_scale,
+            None if kv_scale is None else (kv_scale.shape, kv_scale.stride(), kv_scale.dtype, kv_scale.device),
+            None if sparse_indices is None else (sparse_indices.shape, sparse_indices.stride(), sparse_indices.dtype,
+                                                 sparse_indices.device),
+            None if q_scale is None else (q_scale.shape, q_scale.stride(), q_scale.dtype, q_scale.device))
+
+
+_debug_env = environment_reader(DEBUG_ENV)  # read on every GPU call: a dict lookup (see _compat)
 
 
 def debug_checks_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    env = _debug_env()
+    return env is not None and env not in ("", "0")
 
 
 def wants_value_checks(t: Tensor) -> bool:

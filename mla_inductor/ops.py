@@ -19,6 +19,7 @@ import torch
 
 from mla_inductor._compat import argument_errors_reach_the_user
 from mla_inductor.contract import (
+    OP_ARG_NAMES,
     OP_ARGS_SCHEMA,
     DecodeProblem,
     assert_append_values_on_device,
@@ -34,8 +35,7 @@ from mla_inductor.contract import (
     nothing_attended,
     wants_value_checks,
 )
-from mla_inductor.backends import registry_generation
-from mla_inductor.selection import backend_for_append, backend_for_eager, fp8_query_allowed, user_preference
+from mla_inductor.selection import backend_for_append, backend_for_eager, selection_state
 
 Tensor = torch.Tensor
 
@@ -62,6 +62,7 @@ def _define(name: str, schema: str, impl, fake):
 # data (CPU always, GPUs in debug mode) still run on every call.
 _EAGER_CALLS: dict[tuple, "_EagerCall"] = {}
 _MAX_SIGNATURES = 4096
+_ARITY = len(OP_ARG_NAMES)
 
 
 class _EagerCall:
@@ -73,45 +74,45 @@ class _EagerCall:
         self.run = run  # the contract's nine arguments -> (out, lse), or out alone for mla.paged_decode
 
 
-def _eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
-    """What this call's signature decided, decided now if it is new (bad arguments raise here, every call)."""
+def _new_eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
+    """Decide what a new signature decides (bad arguments raise here, on every call: nothing is stored)."""
+    problem = check_decode_args(*args, op=op)
+    q_nope, kv_cache, block_table, sparse_indices = args[0], args[2], args[3], args[7]
+    nothing = attends_nothing(q_nope, kv_cache, block_table, sparse_indices)
+    run = None if nothing else backend_for_eager(problem, q_nope.device).eager_decode(problem, args, with_lse)
+    return _EagerCall(problem, nothing, run)
+
+
+def _decode(op: str, with_lse: bool, args: tuple):
+    """An eager decode call: ``args`` as the dispatcher hands them (a defaulted tail may be left out)."""
+    if len(args) < _ARITY:
+        args = (*args, *((None,) * (_ARITY - len(args))))
     try:
-        signature = call_signature(*args)
+        key = (op, selection_state(), call_signature(*args))
     except AttributeError:  # not through the dispatcher: the checks name the argument of the wrong type
         check_decode_args(*args, op=op)
         raise
-    key = (op, with_lse, user_preference(), fp8_query_allowed(), registry_generation(), signature)
     call = _EAGER_CALLS.get(key)
     if call is None:
-        problem = check_decode_args(*args, op=op)
-        q_nope, kv_cache, block_table, sparse_indices = args[0], args[2], args[3], args[7]
-        nothing = attends_nothing(q_nope, kv_cache, block_table, sparse_indices)
-        run = None if nothing else backend_for_eager(problem, q_nope.device).eager_decode(problem, args, with_lse)
-        call = _EagerCall(problem, nothing, run)
+        call = _new_eager_call(op, args, with_lse)
         if len(_EAGER_CALLS) >= _MAX_SIGNATURES:
             _EAGER_CALLS.clear()
         _EAGER_CALLS[key] = call
-    return call
-
-
-def _decode(op: str, with_lse: bool, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-            sparse_indices=None, q_scale=None):
-    args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale)
-    call = _eager_call(op, args, with_lse)
+    q_nope = args[0]
     if wants_value_checks(q_nope):
+        q_nope, _, kv_cache, block_table, seq_lens, _, kv_scale, sparse_indices, q_scale = args
         check = assert_decode_values_on_device if checks_on_device(q_nope) else check_decode_values
         check(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op, q_scale=q_scale)
     if call.attends_nothing:
         out, lse = nothing_attended(q_nope)
         return (out, lse) if with_lse else out
-    # softmax_scale as a float (an int is valid): the key holds its type, so the bound run may rely on it.
-    return call.run(q_nope, q_pe, kv_cache, block_table, seq_lens, float(softmax_scale), kv_scale, sparse_indices,
-                    q_scale)
+    # softmax_scale reaches us as a float (the schema's type; the key holds it), so the run takes args as given.
+    return call.run(*args)
 
 
 def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
     """MLA paged decode returning ``(out [T, H, L] in q's dtype, lse [T, H] fp32)``; see ``contract``."""
-    return _decode("paged_decode_with_lse", True, *args)
+    return _decode("paged_decode_with_lse", True, args)
 
 
 def _paged_decode_with_lse_fake(*args):
@@ -126,7 +127,7 @@ paged_decode_with_lse = _define("paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) ->
 
 def _paged_decode(*args) -> Tensor:
     """MLA paged decode: attention output ``[T, H, L]`` in q's dtype; see ``contract``."""
-    return _decode("paged_decode", False, *args)
+    return _decode("paged_decode", False, args)
 
 
 def _paged_decode_fake(*args):

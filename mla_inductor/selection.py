@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
@@ -26,12 +26,17 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 
 from mla_inductor import backends
+from mla_inductor._compat import environment_reader
 from mla_inductor.backends import Backend
 from mla_inductor.contract import DecodeProblem, check_decode_args
 
 BACKEND_ENV = "MLA_INDUCTOR_BACKEND"
 FP8_QUERY_ENV = "MLA_INDUCTOR_FP8_QUERY"
 _local = threading.local()
+# Read on every eager call and every compiled graph's run: a dict lookup each (``environment_reader``), and the
+# preference parsed once per distinct value.
+_backend_env = environment_reader(BACKEND_ENV)
+_fp8_query_env = environment_reader(FP8_QUERY_ENV)
 
 
 @dataclass(frozen=True)
@@ -150,10 +155,21 @@ def user_preference() -> Optional[tuple[str, ...]]:
     innermost = _innermost("preferences")
     if innermost is not None:
         return innermost
-    env = os.environ.get(BACKEND_ENV)
+    env = _backend_env()
     if not env:  # the common case, read by every compiled graph's run (lowering/records.py): keep it short
         return None
+    return _parsed_preference(env)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_preference(env: str) -> Optional[tuple[str, ...]]:
     return tuple(n.strip() for n in env.split(",") if n.strip()) or None
+
+
+def selection_state() -> tuple:
+    """Everything besides the call itself that decides its backend: the user's preference, the FP8-query
+    opt-in and the registry's generation (a key for choices cached per call signature; cheap to build)."""
+    return user_preference(), fp8_query_allowed(), backends.registry_generation()
 
 
 @contextlib.contextmanager
@@ -173,7 +189,8 @@ def fp8_query_allowed() -> bool:
     innermost = _innermost("fp8_query")
     if innermost is not None:
         return innermost
-    return os.environ.get(FP8_QUERY_ENV, "0").strip() not in ("", "0")
+    env = _fp8_query_env()
+    return env is not None and env.strip() not in ("", "0")
 
 
 @contextlib.contextmanager

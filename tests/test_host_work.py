@@ -10,6 +10,9 @@ alignment or the current device differs from the first launch's. The timings are
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
@@ -279,3 +282,113 @@ def test_flashinfer_direct_run_is_refused_where_another_argument_is_made_from_th
 
     wrapper = _FakeWrapper(lambda tensors: tensors[4].view(-1))  # a view of out: frozen, it would be stale
     assert _DirectRun.record(wrapper, _call_tensors(), {}) is False
+
+
+# ----------------------------------------------------------------------------- what eager calls cache
+
+class _Recording(mla_inductor.backends.Backend):
+    """Claims every call, runs the reference and counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def supports(self, problem, capability):
+        return None
+
+    def decode(self, *args):
+        self.calls += 1
+        return mla_inductor.paged_decode_reference(*args)
+
+
+def _small_args():
+    return make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4,
+                              q_dtype=torch.float32, fmt="fp32", seed=7).args()
+
+
+def test_eager_calls_see_each_change_of_the_preference_env_var_and_context(monkeypatch):
+    """The eager path reads the environment through a cached reader and keys its per-signature choices on
+    the preference: a variable set, changed or removed between two calls of one signature, and a
+    prefer_backends block, each change which backend the next call runs on."""
+    from mla_inductor.backends import register_backend, unregister_backend
+    from mla_inductor.selection import BACKEND_ENV, FP8_QUERY_ENV, fp8_query_allowed, user_preference
+
+    recording = _Recording()
+    register_backend("recording_test", recording)
+    try:
+        args = _small_args()
+        want = mla_inductor.paged_decode_reference(*args)[0]
+        monkeypatch.delenv(BACKEND_ENV, raising=False)
+        assert user_preference() is None
+        torch.ops.mla.paged_decode(*args)
+        assert recording.calls == 0
+        monkeypatch.setenv(BACKEND_ENV, " recording_test , reference")
+        assert user_preference() == ("recording_test", "reference")
+        out = torch.ops.mla.paged_decode(*args)
+        assert recording.calls == 1 and torch.allclose(out, want)
+        monkeypatch.setenv(BACKEND_ENV, "reference")
+        torch.ops.mla.paged_decode(*args)
+        assert recording.calls == 1
+        with mla_inductor.prefer_backends("recording_test"):
+            torch.ops.mla.paged_decode(*args)
+            assert recording.calls == 2
+        torch.ops.mla.paged_decode(*args)
+        assert recording.calls == 2
+        monkeypatch.delenv(BACKEND_ENV)
+        with mock.patch.dict(os.environ, {BACKEND_ENV: "recording_test"}):
+            torch.ops.mla.paged_decode(*args)
+            assert recording.calls == 3
+        torch.ops.mla.paged_decode(*args)
+        assert recording.calls == 3 and user_preference() is None
+        # The FP8-query opt-in is read the same way.
+        monkeypatch.setenv(FP8_QUERY_ENV, "1")
+        assert fp8_query_allowed()
+        monkeypatch.setenv(FP8_QUERY_ENV, " 0 ")
+        assert not fp8_query_allowed()
+        monkeypatch.delenv(FP8_QUERY_ENV)
+        assert not fp8_query_allowed()
+    finally:
+        unregister_backend("recording_test")
+
+
+def test_debug_checks_follow_the_env_var_on_every_call(monkeypatch):
+    from mla_inductor.contract import DEBUG_ENV, debug_checks_enabled
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert not debug_checks_enabled()
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    assert debug_checks_enabled()
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    assert not debug_checks_enabled()
+
+
+def test_a_stored_plan_is_reused_only_while_its_tensors_are_unchanged():
+    """PlanCache's fast path (the same tensor objects: version counter, address, shape) and its full one
+    (other objects: whole tensor state) both notice every change torch can see."""
+    from mla_inductor.backends._common import PlanCache
+
+    plans = PlanCache("test_fast_path")
+    table = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    plans.put("cfg", table, lens, None, "plan")
+    assert plans.get("cfg", table, lens, None) == "plan"  # same objects
+    assert plans.get("cfg", table[:], lens[:], None) == "plan"  # other objects viewing the same, unchanged
+    assert plans.get("other", table, lens, None) is None
+    lens[0] = 6  # a write: version bump
+    assert plans.get("cfg", table, lens, None) is None
+    assert plans.get("cfg", table, lens[:], None) is None
+    plans.put("cfg", table, lens, None, "plan 2")
+    assert plans.get("cfg", table, lens, None) == "plan 2"
+    table.add_(1)
+    assert plans.get("cfg", table, lens, None) is None
+    plans.put("cfg", table, lens, None, "plan 3")
+    lens.data = torch.tensor([7, 9], dtype=torch.int32)  # new memory, no version bump
+    assert plans.get("cfg", table, lens, None) is None
+    plans.put("cfg", table, lens, None, "plan 4")
+    lens.set_(torch.tensor([1, 2], dtype=torch.int32))
+    assert plans.get("cfg", table, lens, None) is None
+    sparse = torch.zeros(2, 4, dtype=torch.int32)
+    plans.put("cfg", table, lens, sparse, "plan 5")
+    assert plans.get("cfg", table, lens, sparse) == "plan 5"
+    assert plans.get("cfg", table, lens, None) is None
+    sparse.fill_(1)
+    assert plans.get("cfg", table, lens, sparse) is None

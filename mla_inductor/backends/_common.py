@@ -249,6 +249,17 @@ def tensor_state(t: Optional[Tensor]) -> Optional[tuple]:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version_counter(t))
 
 
+def _quick_state(block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor]) -> tuple:
+    """What can change in a tensor object while it stays the same object: its version counter (every write
+    through torch, ``set_`` and ``resize_`` included), and its address and shape (``t.data = other`` replaces
+    the tensor's contents without a version bump). Not seen: ``t.data =`` a tensor of the same address and
+    shape but other strides or dtype (a reinterpretation of the same memory, which no decode code does)."""
+    return (version_counter(block_table), block_table.data_ptr(), block_table.shape, version_counter(seq_lens),
+            seq_lens.data_ptr(), seq_lens.shape,
+            None if sparse_indices is None else (version_counter(sparse_indices), sparse_indices.data_ptr(),
+                                                 sparse_indices.shape))
+
+
 class PlanCache:
     """The last plan per static configuration, reused while the tensors it was made from are unchanged.
 
@@ -276,19 +287,25 @@ class PlanCache:
 
     def get(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor]):
         """The plan stored for ``config`` (a hashable static description: shapes, dtypes, scale) if it was
-        made from these tensors in their present state, else None."""
+        made from these tensors in their present state, else None. The same tensor objects as stored are
+        compared by version counter, address and shape only (``_same_objects_unchanged``: the common case, a
+        step's calls over one block_table / seq_lens); other ones by their whole ``tensor_state``."""
         entry = self._entries.get(config)
-        if entry is not None and entry[0] == (tensor_state(block_table), tensor_state(seq_lens),
-                                              tensor_state(sparse_indices)):
-            self.hits += 1
-            return entry[2]
+        if entry is not None:
+            state, held, plan, quick = entry
+            if (held[1] is seq_lens and held[0] is block_table and held[2] is sparse_indices
+                    and quick == _quick_state(block_table, seq_lens, sparse_indices)) or \
+                    state == (tensor_state(block_table), tensor_state(seq_lens), tensor_state(sparse_indices)):
+                self.hits += 1
+                return plan
         self.misses += 1
         return None
 
     def put(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor], plan) -> None:
         """Store ``plan`` for ``config`` as made from these tensors now (replacing the previous one)."""
         state = (tensor_state(block_table), tensor_state(seq_lens), tensor_state(sparse_indices))
-        self._entries[config] = (state, (block_table, seq_lens, sparse_indices), plan)
+        self._entries[config] = (state, (block_table, seq_lens, sparse_indices), plan,
+                                 _quick_state(block_table, seq_lens, sparse_indices))
 
     def forget(self, config=None) -> None:
         """Drop the plan of ``config``, or every plan."""

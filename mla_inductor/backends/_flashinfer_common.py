@@ -49,7 +49,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from mla_inductor._compat import version_tuple
+from mla_inductor._compat import stream_capture_query, version_tuple
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
@@ -67,7 +67,7 @@ from mla_inductor.backends._common import (
     visible_key_counts,
 )
 from mla_inductor.cache import cache_dtype, host_lengths
-from mla_inductor.contract import DecodeProblem, empty_decode_outputs
+from mla_inductor.contract import DecodeProblem
 
 Tensor = torch.Tensor
 
@@ -158,6 +158,12 @@ class _PlannedWrapper:
             kv_indices=self.kv_indices, kv_len_arr=self.kv_lens, backend=key.fi_backend)
         self.id = next(_wrapper_ids)
         self.key = key
+        # What each run reads of the configuration, computed once: output shapes, the cache's split, fp8.
+        rows = key.requests * key.qo_len
+        self.out_shape, self.lse_shape = (rows, key.num_heads, key.kv_lora_rank), (rows, key.num_heads)
+        self.split = (key.kv_lora_rank, key.rope_dim)
+        self.fp8 = key.kv_dtype == torch.float8_e4m3fn
+        self.on_cuda = device.type == "cuda"
         # plan() reads qo_indptr / kv_indptr / kv_len_arr on the host; the indptrs depend only on the
         # static configuration, so they live on the host (pinned, never written again) and the lengths
         # come from the host copy of seq_lens where there is one.
@@ -292,6 +298,12 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
     if counts is not None:
         return [counts]
+    return [make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)]
+
+
+def make_plan(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
+    """Plan the wrapper of ``key`` from these block_table / seq_lens / sparse_indices and store the plan in
+    ``PLANS``; returns its row counts (``wrapper_plan`` without the lookup)."""
     entry = _WRAPPERS.get(key)
     if entry is None:
         entry = _WRAPPERS[key] = _PlannedWrapper(key)
@@ -322,32 +334,57 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     entry.rows_may_be_empty = empty_rows
     entry.direct_run = None  # recorded again by the next run (plan() replaced the plan info)
     PLANS.put(key, block_table, seq_lens, sparse_indices, counts)
-    return [counts]
+    return counts
+
+
+# The compiled graph's run op finds its wrapper's key from the call's shapes (no plan handle crosses the graph):
+# per distinct shapes, the key is computed once (a flat tuple of what ``_wrapper_key`` reads, then a dict lookup).
+_KEYS_BY_SHAPES: dict[tuple, _WrapperKey] = {}
+_capturing = stream_capture_query()
+
+
+def _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices) -> _WrapperKey:
+    shapes = (fi_backend, q_nope.shape, q_nope.dtype, q_nope.device, q_pe.shape, kv_cache.shape, kv_cache.dtype,
+              block_table.shape, None if sparse_indices is None else sparse_indices.shape, softmax_scale)
+    key = _KEYS_BY_SHAPES.get(shapes)
+    if key is None:
+        key = _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+        if len(_KEYS_BY_SHAPES) >= 4096:
+            _KEYS_BY_SHAPES.clear()
+        _KEYS_BY_SHAPES[shapes] = key
+    return key
 
 
 def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                 sparse_indices, plan: list[Tensor], key: Optional[_WrapperKey] = None) -> tuple[Tensor, Tensor]:
     """Run the wrapper planned for this configuration: ``(out [T, H, L] q's dtype, lse [T, H] fp32)``.
     ``key``: the configuration's, where the caller has it already (eager: the plan's)."""
-    key = key or _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+    key = key or _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
     entry = _WRAPPERS.get(key)
     if entry is None:
         raise RuntimeError(f"mla_flashinfer::run_{fi_backend}: no plan for this configuration ({key}); "
                            f"the plan op must run first")
-    L, width = q_nope.shape[-1], kv_cache.shape[-1]
-    cache = kv_cache if sparse_indices is None else kv_cache.reshape(-1, 1, width)
-    ckv, kpe = cache.split_with_sizes((L, width - L), 2)  # one op for both views
-    out, lse = empty_decode_outputs(q_nope)
-    scales = {}
-    if kv_cache.dtype == torch.float8_e4m3fn:
+    return run_planned(entry, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, plan[0])
+
+
+def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse_indices,
+                counts: Tensor) -> tuple[Tensor, Tensor]:
+    """``wrapper_run`` on the wrapper ``entry`` (planned for this call's configuration; ``counts``: its plan)."""
+    cache = kv_cache if sparse_indices is None else kv_cache.reshape(-1, 1, kv_cache.shape[-1])
+    ckv, kpe = cache.split_with_sizes(entry.split, 2)  # one op for both views
+    out = q_nope.new_empty(entry.out_shape)
+    lse = q_nope.new_empty(entry.lse_shape, dtype=torch.float32)
+    scales = _NO_SCALES
+    if entry.fp8:
         # The scale folded into q and out on the device (see the module docstring): one kernel each,
         # computed in fp32 and written in q's dtype.
         q_nope = torch.mul(q_nope, kv_scale, out=torch.empty_like(q_nope))
         q_pe = torch.mul(q_pe, kv_scale, out=torch.empty_like(q_pe))
-        scales = dict(ckv_scale=1.0, kpe_scale=1.0)
-    if entry.direct_run:
-        entry.direct_run(q_nope, q_pe, ckv, kpe, out, lse)
-    elif entry.direct_run is None:
+        scales = _UNIT_SCALES
+    direct_run = entry.direct_run
+    if direct_run:
+        direct_run(q_nope, q_pe, ckv, kpe, out, lse)
+    elif direct_run is None:
         entry.direct_run = _DirectRun.record(entry.wrapper, (q_nope, q_pe, ckv, kpe, out, lse),
                                              dict(return_lse=True, return_lse_base_on_e=True, **scales))
     else:
@@ -357,9 +394,13 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
         out.mul_(kv_scale)
     # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
     # launches it, since its replays may follow plans that do.
-    if entry.rows_may_be_empty or (out.is_cuda and torch.cuda.is_current_stream_capturing()):
-        finish_empty_rows(out, lse, plan[0])
+    if entry.rows_may_be_empty or (entry.on_cuda and _capturing()):
+        finish_empty_rows(out, lse, counts)
     return out, lse
+
+
+_NO_SCALES: dict = {}
+_UNIT_SCALES = dict(ckv_scale=1.0, kpe_scale=1.0)
 
 
 def _wrapper_plan_fake(q_nope, *args):
@@ -447,14 +488,16 @@ class FlashInferWrapperBackend(Backend):
         return wrapper_run(self.fi_backend, *args, wrapper_plan(self.fi_backend, *args, key=key), key=key)
 
     def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
-        # The wrapper's key follows from the call signature: computed once, not per call.
+        # The wrapper's key follows from the call signature: computed once, not per call. A call whose plan is
+        # stored (the step's calls after its first) goes from the plan lookup straight to the run.
         q_nope, q_pe, kv_cache, block_table, _, softmax_scale, _, sparse_indices, _ = args
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
-        fi_backend = self.fi_backend
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-            eight = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
-            out, lse = wrapper_run(fi_backend, *eight, wrapper_plan(fi_backend, *eight, key=key), key=key)
+            counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
+            if counts is None:
+                counts = make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+            out, lse = run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts)
             return (out, lse) if with_lse else out
 
         return decode

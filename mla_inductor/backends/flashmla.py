@@ -73,7 +73,7 @@ from typing import Any, Optional
 
 import torch
 
-from mla_inductor._compat import real_tensors
+from mla_inductor._compat import real_tensors, stream_capture_query
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
@@ -517,15 +517,15 @@ def plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv
 
 
 def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                sparse_indices, plan, out_dtype: torch.dtype,
-                need_lse: bool = True) -> tuple[Tensor, Optional[Tensor], list[Tensor]]:
+                sparse_indices, plan, out_dtype: torch.dtype, need_lse: bool = True,
+                mode: Optional[str] = None) -> tuple[Tensor, Optional[Tensor], list[Tensor]]:
     """FlashMLA decode of one layer on the kernel's query ``q [B, Q, H, 576]`` (e4m3 with ``q_descale`` for
     dense_fp8): (out [T, H, 512] in ``out_dtype``, lse [T, H] fp32 natural log, the plan it ran with).
     With ``plan == []`` the call schedules itself and returns that schedule as a plan, which later layers
     over the same block_table / seq_lens can reuse. ``need_lse=False``: lse is None and no epilogue runs
     where the kernel already zeroes the rows that see nothing (dense bf16/fp16, sparse, dense_ds): out is
-    then FlashMLA's own output, viewed."""
-    mode = _mode_of(kv_cache, sparse_indices)
+    then FlashMLA's own output, viewed. ``mode``: the call's (``_mode_of``), where the caller knows it."""
+    mode = mode or _mode_of(kv_cache, sparse_indices)
     provider = _provider(mode)
     B, Q, H, _ = q.shape
     T = B * Q
@@ -539,7 +539,9 @@ def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, s
     out, lse, md, splits = provider.attend(mode, q, kv_cache.unsqueeze(2), table, lens, softmax_scale,
                                            _causal(mode, q), indices, md, splits, q_descale,
                                            kv_scale if mode == "dense_fp8" else None)
-    out = out.reshape(T, H, HEAD_DIM_V).to(out_dtype)
+    out = out.reshape(T, H, HEAD_DIM_V)
+    if out.dtype != out_dtype:
+        out = out.to(out_dtype)
     plan = plan or [md, splits, counts] + tensors
     zero_out = not KERNEL_ZEROES_EMPTY_ROWS[mode]
     if not need_lse and not zero_out:
@@ -560,16 +562,17 @@ def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, s
 
 
 def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                    plan, need_lse: bool = True, q_scale: Optional[Tensor] = None):
+                    plan, need_lse: bool = True, q_scale: Optional[Tensor] = None, mode: Optional[str] = None):
     """``attend_rows`` on the contract's query: q_nope | q_pe as FlashMLA's q (a view where they are slices
     of one row), quantized to e4m3 on the device for dense_fp8 (with ``q_scale`` when given, else its
-    measured amax)."""
+    measured amax). ``mode``: the call's (``_mode_of``), where the caller knows it."""
     q = _kernel_query(q_nope, q_pe, block_table.shape[0])
     q_descale = None
-    if _mode_of(kv_cache, sparse_indices) == "dense_fp8":
+    mode = mode or _mode_of(kv_cache, sparse_indices)
+    if mode == "dense_fp8":
         q, q_descale = quantize_query_fp8(q, q_scale)
     return attend_rows(q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan,
-                       q_nope.dtype, need_lse)
+                       q_nope.dtype, need_lse, mode)
 
 
 # The last plan made by an eager call, reused by the next eager calls
@@ -577,18 +580,28 @@ def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
 PLANS = PlanCache("flashmla")
 
 
+def eager_plan_config(q_nope, kv_cache, block_table, sparse_indices) -> tuple:
+    """What a plan stored in ``PLANS`` is made for besides the tensors it reads: the call's static shapes."""
+    return (q_nope.shape, q_nope.dtype, kv_cache.shape, kv_cache.dtype, block_table.shape, q_nope.device,
+            None if sparse_indices is None else sparse_indices.shape)
+
+
+_capturing = stream_capture_query()
+
+
 def decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                         need_lse: bool = True, q_scale: Optional[Tensor] = None):
+                         need_lse: bool = True, q_scale: Optional[Tensor] = None, config: Optional[tuple] = None,
+                         mode: Optional[str] = None):
     """``decode_and_plan`` for a call given no plan: it takes the plan ``PLANS`` holds for these tensors (the
     schedule, row counts and kernel tensors: three or four small kernels and the metadata call fewer) or makes
     one and stores it. While a CUDA graph is captured the call plans inline and stores nothing: its replays
-    must recompute the plan from the lengths they see. Returns ``(out, lse or None)``."""
-    capturing = q_nope.is_cuda and torch.cuda.is_current_stream_capturing()
-    config = (q_nope.shape, q_nope.dtype, kv_cache.shape, kv_cache.dtype, block_table.shape, q_nope.device,
-              None if sparse_indices is None else sparse_indices.shape)
+    must recompute the plan from the lengths they see. Returns ``(out, lse or None)``. ``config`` / ``mode``:
+    ``eager_plan_config(...)`` and the call's mode, where the caller has them already (eager: per signature)."""
+    capturing = q_nope.is_cuda and _capturing()
+    config = config or eager_plan_config(q_nope, kv_cache, block_table, sparse_indices)
     stored = None if capturing else PLANS.get(config, block_table, seq_lens, sparse_indices)
     out, lse, plan = decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                     sparse_indices, stored or [], need_lse, q_scale)
+                                     sparse_indices, stored or [], need_lse, q_scale, mode)
     if stored is None and not capturing:
         PLANS.put(config, block_table, seq_lens, sparse_indices, plan)
     return out, lse
@@ -800,10 +813,15 @@ class FlashMLABackend(Backend):
 
     def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
         # mla.paged_decode reads no lse: where the kernel zeroes the rows that see nothing itself (dense
-        # bf16/fp16, sparse, dense_ds) its output is the result and no epilogue kernel runs.
+        # bf16/fp16, sparse, dense_ds) its output is the result and no epilogue kernel runs. The plan's config
+        # and the mode follow from the call signature: computed once.
+        q_nope, _, kv_cache, block_table, _, _, _, sparse_indices, _ = args
+        config = eager_plan_config(q_nope, kv_cache, block_table, sparse_indices)
+        mode = _mode_of(kv_cache, sparse_indices)
+
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
             out, lse = decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                            sparse_indices, need_lse=with_lse, q_scale=q_scale)
+                                            sparse_indices, with_lse, q_scale, config, mode)
             return (out, lse) if with_lse else out
 
         return decode
