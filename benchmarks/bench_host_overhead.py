@@ -57,7 +57,7 @@ from unittest import mock
 
 import torch
 from report import (add_out_argument, decode_calls, environment, environment_line, mark_new_step, markdown_table,
-                    progress, relative_error, write_results)
+                    parse_cases, progress, relative_error, write_results)
 
 import mla_inductor
 from mla_inductor import contract
@@ -138,15 +138,6 @@ class NoopBackend(Backend):
 
 
 # ----------------------------------------------------------------------------- cases and timing
-
-def parse_cases(text: str) -> list[tuple[int, int, str]]:
-    cases = []
-    for item in text.split(","):
-        shape, _, fmt = item.partition(":")
-        B, H = (int(x) for x in shape.split("x"))
-        cases.append((B, H, fmt or "bf16"))
-    return cases
-
 
 def make_args(B: int, H: int, fmt: str, device: str) -> tuple:
     """The op's arguments for one case: random q, a small cache (the no-op kernel reads none of it), full

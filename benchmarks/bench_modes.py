@@ -1,6 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
-    python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--time-limit 510] [--out DIR]
+    python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
+        [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -59,6 +60,7 @@ from report import (
     mark_new_step,
     markdown_table,
     median_ms,
+    parse_cases,
     progress,
     relative_error,
     require_gpu,
@@ -449,6 +451,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
     p.add_argument("--quick", action="store_true", help="a few cases per part (a smoke run of the script)")
+    p.add_argument("--cases", type=parse_cases, default=None,
+                   help="parts a/b on these cases only, BxH:fmt,... (fmt bf16 or fp8_e4m3), e.g. 1x128:fp8_e4m3")
     p.add_argument("--all", action="store_true",
                    help="part b at H=16 too and part c with fp8_e4m3 too (by default: H=128, bf16)")
     p.add_argument("--time-limit", type=float, default=510.0,
@@ -468,7 +472,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if "a" in args.parts or "b" in args.parts:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
-        part_ab(QUICK_CASES if args.quick else CASES, args.parts, (16, 128) if args.all else ONE_CALL_HEADS,
+        part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts, (16, 128) if args.all else ONE_CALL_HEADS,
                 deadline, results)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")

@@ -41,6 +41,16 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def parse_cases(text: str) -> list[tuple[int, int, str]]:
+    """``--cases`` text, "BxH:fmt,..." (fmt "bf16" when left out), as [(B, H, fmt)]."""
+    cases = []
+    for item in text.split(","):
+        shape, _, fmt = item.partition(":")
+        B, H = (int(x) for x in shape.split("x"))
+        cases.append((B, H, fmt or "bf16"))
+    return cases
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 

@@ -135,3 +135,9 @@ def test_bench_host_overhead_profiles_only_after_every_real_row_is_timed(monkeyp
     bench.main(["--device", "cuda", "--real", "--real-only", "--cases", "1x128:bf16,1x128:fp8_e4m3"])
     assert events == [("timed", "bf16"), ("timed", "fp8_e4m3"), ("profiled", "bf16"), ("profiled", "fp8_e4m3")]
     assert "B=1 H=128 fp8_e4m3" in capsys.readouterr().out
+
+
+def test_both_scripts_read_cases_alike(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    report = load_benchmark("report")
+    assert report.parse_cases("1x128:fp8_e4m3,32x16") == [(1, 128, "fp8_e4m3"), (32, 16, "bf16")]
