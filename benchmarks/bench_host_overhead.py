@@ -24,11 +24,20 @@ functions of a cProfile of each mode (and keeps them in the JSON), naming where 
 cumulative µs per op call and calls per op call, by own time (cProfile's overhead inflates them all).
 
 On a GPU, ``--real`` also times the backend the selection picks for real, on a DeepSeek-V3-shaped case
-(S=4096, page 64; ``benchmarks/peers.py``), eager and compiled, and the peers found by import called
-directly with their plan made once (host wall time per call with a device sync per step: at B=1 the
-kernel is short and host time is most of it). It also lists the device kernels one step launches per
-op call, by name (torch.profiler; columns ``eager launches`` / ``compiled launches``): the attention
-kernel and every extra one (a split-KV merge, a plan's kernels shared by the step's calls, an epilogue).
+(S=4096, page 64; ``benchmarks/peers.py``), eager and compiled, and the format's peers found by import
+(``peers.DIRECT_PEERS``; one not installed is named in the row's ``peers not timed``, so ``best peer`` is
+the best of those that ran). A step is ``--calls`` calls back to back, each on its own query and cache as the
+layers of a model (``peers.back_to_back_inputs``), ours and the peers' alike; a peer's step is
+``peers.direct_step``, its direct call with the plan / schedule / quantized query made once, outside:
+the same step bench_modes times. What is timed here: host wall time per call, ``time.perf_counter`` around
+the step and one device sync after it (median of ``--steps`` steps); at B=1 the kernel is short and host
+time is most of it. bench_modes times the same step with CUDA events (``do_bench``), which read the
+same where the host is the slower side. Afterwards, once every real row is timed, it lists the device
+kernels one step launches per op call, by name (torch.profiler; columns ``eager launches`` / ``compiled
+launches``): the attention kernel and every extra one (a split-KV merge, a plan's kernels shared by the
+step's calls, an epilogue); and with ``--profile``, a cProfile of each mode. Both come after all timings
+because a finished torch.profiler session leaves CUDA's profiling interface (CUPTI) attached to the
+process, which slows every later CUDA call: a row timed after one reads slower than it is.
 
 ``--stub`` (any device, CPU included) also times our real backends' own Python with only the library's
 kernel call replaced by a no-op: FlashInfer's wrapper backend (``flashinfer_fa3``: a stand-in ``flashinfer``
@@ -56,8 +65,8 @@ from typing import Callable, Optional
 from unittest import mock
 
 import torch
-from report import (add_out_argument, environment, environment_line, mark_new_step, markdown_table, progress,
-                    write_results)
+from report import (add_out_argument, decode_calls, environment, environment_line, mark_new_step, markdown_table,
+                    parse_cases, progress, relative_error, write_results)
 
 import mla_inductor
 from mla_inductor import contract
@@ -138,15 +147,6 @@ class NoopBackend(Backend):
 
 
 # ----------------------------------------------------------------------------- cases and timing
-
-def parse_cases(text: str) -> list[tuple[int, int, str]]:
-    cases = []
-    for item in text.split(","):
-        shape, _, fmt = item.partition(":")
-        B, H = (int(x) for x in shape.split("x"))
-        cases.append((B, H, fmt or "bf16"))
-    return cases
-
 
 def make_args(B: int, H: int, fmt: str, device: str) -> tuple:
     """The op's arguments for one case: random q, a small cache (the no-op kernel reads none of it), full
@@ -319,70 +319,81 @@ def time_noop_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------- the real backend (GPU)
 
+class RealCase:
+    """One real case's step, ours eager and compiled (compiled on first use): ``--calls`` calls back to back,
+    each on its own query and cache (``peers.back_to_back_inputs``; ``cache_budget`` 0: one cache for all)."""
+
+    def __init__(self, B: int, H: int, fmt: str, calls: int, cache_budget: Optional[int] = None):
+        import peers as peer_kernels
+
+        self.case = peer_kernels.format_case(B, H, 4096, fmt)
+        budget = peer_kernels.CACHE_COPIES_BYTES if cache_budget is None else cache_budget
+        qs, caches, self.layers = peer_kernels.back_to_back_inputs(self.case, calls, budget)
+        c = self.case.c
+        self.step_args = (qs, caches, c["block_table"], c["lens"], self.case.kv_scale)
+        self.call_args = (qs[0][..., :L], qs[0][..., L:], self.case.kv_cache, c["block_table"], c["lens"], c["scale"],
+                          self.case.kv_scale)
+        self.eager_step = decode_calls(c["scale"])
+        self.compiled_step = None
+
+    def before(self) -> None:
+        mark_new_step(self.case.c["lens"], self.case.host_lens)
+
+    def modes(self) -> dict[str, Callable[[], object]]:
+        if self.compiled_step is None:
+            torch.compiler.reset()
+            self.compiled_step = fresh_compile(decode_calls(self.case.c["scale"]))
+            self.before()
+            self.compiled_step(*self.step_args)  # compiles
+        return {"eager": lambda: self.eager_step(*self.step_args),
+                "compiled": lambda: self.compiled_step(*self.step_args)}
+
+
 def time_real_case(B: int, H: int, fmt: str, args: argparse.Namespace) -> dict:
-    """Our op on the backend the selection picks, eager and compiled, and the peers called directly: host wall
-    µs per call with a device sync per step (S=4096, the same query and cache for every call)."""
+    """Our op on the backend the selection picks, eager and compiled, and the format's peers' direct steps
+    (``peers.direct_step``): host wall µs per call with a device sync per step (S=4096)."""
     import peers as peer_kernels
 
-    c = peer_kernels.make_case(B, H, 4096)
-    if fmt == "bf16":
-        kv_cache, kv_scale, names = c["cache"], torch.ones(1, device="cuda"), ("sgl_flashmla", "flashmla",
-                                                                                  "flashinfer_fa3", "flashinfer_fa2")
-    else:
-        kv_cache, k_scale = peer_kernels.fp8_cache(c)
-        kv_scale, names = k_scale.reshape(1).float(), ("sgl_flashmla_fp8", "flashmla_fp8", "flashinfer_fa3_fp8")
-    q = c["q"]
-    op_args = (q[..., :L], q[..., L:], kv_cache, c["block_table"], c["lens"], c["scale"], kv_scale)
-    host = c["lens"].cpu()
-    sync = torch.cuda.synchronize
-
-    def before():
-        mark_new_step(c["lens"], host)
-
-    row = {"case": f"B={B} H={H} {fmt} S=4096", "device": torch.cuda.get_device_name(),
-           "backend": mla_inductor.backend_for_call(*op_args).backend}
+    real = RealCase(B, H, fmt, args.calls)
+    case, sync = real.case, torch.cuda.synchronize
+    row = {"case": f"{case.label} S=4096", "device": torch.cuda.get_device_name(),
+           "backend": mla_inductor.backend_for_call(*real.call_args).backend}
+    steps, not_timed = peer_kernels.direct_steps(peer_kernels.DIRECT_PEERS[fmt], case.c, args.calls, real.layers)
     peer_us = {}
-    missing = []  # peers not timed, named in the row: a "best peer" is the best of those that ran
-    for name in names:
-        try:
-            call = peer_kernels.PEERS[name](c)
-        except peer_kernels.PeerMissing as e:
-            progress(f"  peer {name}: not installed ({e})")
-            missing.append(f"{name} (not installed)")
-            continue
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
-            progress(f"  peer {name}: failed ({type(e).__name__}: {str(e)[:120]})")
-            missing.append(f"{name} ({type(e).__name__})")
-            continue
-        peer_us[name] = us_per_call(lambda: [call() for _ in range(args.calls)], args.calls, args.steps,
-                                    lambda: None, sync)
-        progress(f"  peer {name}: {peer_us[name]:.1f} us/call")
-    if peer_us:
-        row["best peer"] = min(peer_us, key=peer_us.get)
-        row["peer"] = peer_us[row["best peer"]]
-    row["peers not timed"] = ", ".join(missing)
-    eager = step_calls(args.calls)
-    row["eager"] = us_per_call(lambda: eager(*op_args), args.calls, args.steps, before, sync)
-    torch.compiler.reset()
-    compiled = fresh_compile(step_calls(args.calls))
-    before()
-    compiled(*op_args)
-    row["compiled"] = us_per_call(lambda: compiled(*op_args), args.calls, args.steps, before, sync)
-    for mode in ("eager", "compiled"):
-        row[f"{mode} ratio"] = row[mode] / row["peer"] if row.get("peer") else None
+    for name, step in steps.items():
+        peer_us[name] = us_per_call(step.run, args.calls, args.steps, lambda: None, sync)
+        progress(f"  peer {name}: {peer_us[name]:.1f} us/call, err {relative_error(step.first, case.reference):.1e}")
+    for name, why in not_timed.items():
+        progress(f"  peer {name}: not timed ({why})")
+    del steps
+    row["best peer"], row["peer"] = peer_kernels.fastest(peer_us)
+    row["peers not timed"] = ", ".join(f"{name} ({why.split(':')[0]})" for name, why in not_timed.items())
+    for mode, run in real.modes().items():
+        row[mode] = us_per_call(run, args.calls, args.steps, real.before, sync)
+        row[f"{mode} ratio"] = row[mode] / row["peer"] if row["peer"] else None
     progress(f"  ours on {row['backend']}: eager {row['eager']:.1f}, compiled {row['compiled']:.1f} us/call")
-    modes = {"eager": lambda: eager(*op_args), "compiled": lambda: compiled(*op_args)}
-    row["kernels per call"] = {mode: kernels_per_call(run, before, args.calls) for mode, run in modes.items()}
+    del real
+    torch.compiler.reset()
+    return row
+
+
+def profile_real_case(B: int, H: int, fmt: str, args: argparse.Namespace, row: dict) -> None:
+    """Into ``row``: the device kernels one step of ours launches per call (torch.profiler) and, with
+    ``--profile``, a cProfile of each mode. Run after every timing (the module docstring says why); one
+    cache for all calls (what a call launches does not depend on where its cache is)."""
+    real = RealCase(B, H, fmt, args.calls, cache_budget=0)
+    modes = real.modes()
+    row["kernels per call"] = {mode: kernels_per_call(run, real.before, args.calls) for mode, run in modes.items()}
     for mode, kernels in row["kernels per call"].items():
         row[f"{mode} launches"] = round(sum(kernels.values()), 2)
         progress(f"--- device kernels per call, real {row['case']}, {mode}: " +
                  "; ".join(f"{n:g} x {name}" for name, n in kernels.items()))
     if args.profile:
-        row["profiles"] = {mode: profile_of(run, before, 5, args.calls) for mode, run in modes.items()}
+        row["profiles"] = {mode: profile_of(run, real.before, 5, args.calls) for mode, run in modes.items()}
         for mode, text in row["profiles"].items():
             progress(f"--- cProfile, real {row['case']}, {mode} ({args.calls} calls per step)\n{text}")
+    del real, modes
     torch.compiler.reset()
-    return row
 
 
 # ----------------------------------------------------------------------------- real backends, library stubbed
@@ -560,8 +571,8 @@ def markdown(noop_rows: list, real_rows: list, env: dict, args, stub_rows: list 
         lines += ["", f"Our backends with the library's kernel call stubbed, µs per call (value checks: "
                   f"{args.value_checks}; one plan per step):", "", markdown_table(STUB_COLUMNS, stub_rows)]
     if real_rows:
-        lines += ["", "Real selected backend vs the peers called directly, host wall µs per call (device sync per "
-                  "step):", "", markdown_table(REAL_COLUMNS, real_rows)]
+        lines += ["", "Real selected backend vs the peers' direct calls (peers.direct_step, as in bench_modes), host "
+                  "wall µs per call (device sync per step):", "", markdown_table(REAL_COLUMNS, real_rows)]
     return "\n".join(lines)
 
 
@@ -605,6 +616,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             for B, H, fmt in args.cases:
                 progress(f"## real backend, B={B} H={H} {fmt}")
                 real_rows.append(time_real_case(B, H, fmt, args))
+            for (B, H, fmt), row in zip(args.cases, real_rows):  # profilers last: see the module docstring
+                progress(f"## real backend, B={B} H={H} {fmt}: kernels per call{', cProfile' if args.profile else ''}")
+                profile_real_case(B, H, fmt, args, row)
     text = markdown(noop_rows, real_rows, env, args, stub_rows)
     print(text)
     write_results(args.out, "bench_host_overhead", text, {"environment": env, "noop": noop_rows, "real": real_rows,

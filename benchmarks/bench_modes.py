@@ -1,19 +1,21 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
-    python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--time-limit 510] [--out DIR]
+    python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
+        [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
-a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32, 128}, H in {16, 128},
-   bf16 and fp8_e4m3 caches, S=4096, page 64. Each call has its own query and its own cache (copies of one,
-   reused past 16 GB), all share block_table / seq_lens. Microseconds per call (step time / 61) for ours
-   eager (``torch.ops.mla.paged_decode`` in a Python loop), compiled (``torch.compile``, no CUDA graphs) and
-   compiled with CUDA graphs (``mode="reduce-overhead"``), against every peer found (FlashMLA from
-   ``flash_mla`` or vLLM's build, FlashInfer FA3 / FA2) making the same 61 calls by its own Python call
-   with its plan made once outside the loop. Ours plans once per step: before every step seq_lens is marked
-   written (its version counter bumped, its host copy registered again, as ``PagedLatentCache.reserve``
-   leaves it), so a plan cached from the previous step is never reused. Targets: ours / fastest peer
-   <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs).
+a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32, 128}, H in {16, 128}, bf16 and
+   fp8_e4m3 caches, S=4096, page 64. Each call has its own query and its own cache (copies of one, reused past 16
+   GB), all share block_table / seq_lens. Microseconds per call (step time / 61) for ours eager
+   (``torch.ops.mla.paged_decode`` in a Python loop), compiled (``torch.compile``, no CUDA graphs) and compiled
+   with CUDA graphs (``mode="reduce-overhead"``), against every peer of the format found (``peers.DIRECT_PEERS``:
+   FlashMLA from ``flash_mla`` or vLLM's build, FlashInfer FA3 / FA2) making the same 61 calls, each on its own
+   query and cache (as ours), by its own Python call with its plan made once outside the loop
+   (``peers.direct_step``, which bench_host_overhead times too). Ours plans once per step: before every step
+   seq_lens is marked written (its version counter bumped, its host copy registered again, as
+   ``PagedLatentCache.reserve`` leaves it), so a plan cached from the previous step is never reused. Targets:
+   ours / fastest peer <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs).
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
    (``--all``: H=16 too). Target <= 1.3.
@@ -28,9 +30,13 @@ d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real atte
    every step), at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches. Target: per layer + CUDA graphs
    <= 1.1x the whole step with CUDA graphs.
 
-Timing: ``triton.testing.do_bench`` median (parts a-c; L2 flushed before each measured step), mean wall time
-of 20 steps after warm-up with a device sync around them (part d). Every result is checked against the fp32
-reference (relative error printed). Peers are found by import; one not installed is reported and skipped.
+Timing: ``triton.testing.do_bench`` median (parts a-c): CUDA events around each step, L2 flushed before it, no
+host sync between steps; where the host is slower than the kernels (B=1: a direct call's Python and launches take
+longer than its kernel), the events span the host's launch time, less the flush's ~0.1 ms head start per step.
+Part d: mean wall time of 20 steps after warm-up with a device sync around them. A peer's µs per call here and
+bench_host_overhead's (host wall with a sync per step) time the same ``direct_step``. Every result is checked
+against the fp32 reference (relative error printed). Peers are found by import; one not installed is reported and
+skipped.
 Each part prints its rows as it goes; ``--time-limit`` (seconds, for the whole run) stops starting new rows
 once spent, and the report marks what was not run. ``--out DIR`` writes bench_modes.md and bench_modes.json.
 """
@@ -48,11 +54,13 @@ import peers as peer_kernels
 import torch
 from report import (
     add_out_argument,
+    decode_calls,
     environment,
     environment_line,
     mark_new_step,
     markdown_table,
     median_ms,
+    parse_cases,
     progress,
     relative_error,
     require_gpu,
@@ -64,9 +72,7 @@ import mla_inductor
 D_CKV = 512
 S = 4096
 CALLS = 61
-CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
-PEERS_BF16 = ("flashmla", "sgl_flashmla", "flashinfer_fa3", "flashinfer_fa2")
-PEERS_FP8 = ("flashmla_fp8", "sgl_flashmla_fp8", "flashinfer_fa3_fp8", "flashinfer_fa2_fp8")
+Case = peer_kernels.FormatCase  # one (B, H, cache format) case: the peers' data and what our op takes
 TARGETS = {"eager": 1.5, "compiled": 1.2, "cudagraphs": 1.0, "one_call": 1.3, "dynamic": 1.05, "per_layer": 1.1}
 
 
@@ -123,59 +129,10 @@ def mark_static(tensors) -> None:
             torch._dynamo.mark_static_address(t)
 
 
-def layer_caches(kv_cache: torch.Tensor, calls: int, budget: int = CACHE_COPIES_BYTES) -> list:
-    """One cache per call as each layer has its own (a shared one would sit in L2 from the previous call),
-    at most ``budget`` bytes of copies, reused in turn beyond (each then far larger than L2)."""
-    size = kv_cache.numel() * kv_cache.element_size()
-    copies = max(1, min(calls, budget // max(size, 1)))
-    return [kv_cache] + [kv_cache.clone() for _ in range(copies - 1)]
-
-
-@dataclass
-class Case:
-    """One (B, H, cache format) case: peers.make_case's data plus what our op takes."""
-
-    B: int
-    H: int
-    fmt: str
-    c: dict
-    kv_cache: torch.Tensor
-    kv_scale: torch.Tensor
-    cache_key: str  # the entry of ``c`` holding the cache the peers read
-    reference: torch.Tensor
-    host_lens: torch.Tensor
-
-    @property
-    def label(self) -> str:
-        return f"B={self.B} H={self.H} {self.fmt}"
-
-
 def make_case(B: int, H: int, fmt: str, seed: int = 0) -> Case:
-    c = peer_kernels.make_case(B, H, S, seed=seed)
-    if fmt == "bf16":
-        kv_cache, kv_scale, key, ref = c["cache"], torch.ones(1, device="cuda"), "cache", peer_kernels.reference(c)
-    else:
-        kv_cache, k_scale = peer_kernels.fp8_cache(c)
-        kv_scale, key, ref = k_scale.reshape(1).float(), "cache_fp8", c["ref_fp8"]
-    host = c["lens"].cpu()
-    mla_inductor.register_host_lengths(c["lens"], host)
-    return Case(B, H, fmt, c, kv_cache, kv_scale, key, ref, host)
-
-
-def queries(case: Case, calls: int) -> list:
-    q = case.c["q"]
-    return [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
-
-
-def decode_calls(scale: float):
-    """A step of decode calls sharing one page table, each on its own query and cache; q_nope / q_pe are
-    slices of one [T, H, 576] query (the layout the kernels read)."""
-
-    def step(qs, caches, block_table, seq_lens, kv_scale):
-        return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
-                                           seq_lens, scale, kv_scale) for i, q in enumerate(qs)]
-
-    return step
+    case = peer_kernels.format_case(B, H, S, fmt, seed=seed)
+    mla_inductor.register_host_lengths(case.c["lens"], case.host_lens)
+    return case
 
 
 def decisions_during(fn: Callable[[], object], lower_afresh: bool = True) -> tuple[object, list[str]]:
@@ -224,34 +181,14 @@ class OurStep:
         return median_ms(self.run) * 1e3 / len(self.args[0])
 
 
-def peer_steps(case: Case, qs: list, caches: list, names: tuple, results: Results, part: str):
-    """{peer: (zero-argument function making len(qs) calls, its first output)} for the peers that run here;
-    each call on its own query and cache, the peer's plan made once, outside."""
-    makers = peer_kernels.PEERS
-    steps = {}
-    for name in names:
-        try:
-            fns = [makers[name](dict(case.c, q=qs[i], **{case.cache_key: caches[i]})) for i in range(len(caches))]
-            first = fns[0]().reshape(case.B, case.H, D_CKV).clone()
-
-            def run(fns=fns, calls=len(qs)):
-                for i in range(calls):
-                    fns[i % len(fns)]()
-
-            run()
-            steps[name] = (run, first)
-        except peer_kernels.PeerMissing as e:
-            results.skip(part, f"peer {name}", f"not installed: {e}")
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
-            results.skip(part, f"peer {name}", f"failed: {type(e).__name__}: {str(e)[:160]}")
+def peer_steps(case: Case, calls: int, layers: list, results: Results, part: str) -> dict:
+    """{peer: its ``peers.direct_step``} for the format's peers that run here (``calls`` calls back to back,
+    call i on the entries ``layers[i % len(layers)]``, plan made once, outside); the others recorded as not
+    run."""
+    steps, not_timed = peer_kernels.direct_steps(peer_kernels.DIRECT_PEERS[case.fmt], case.c, calls, layers)
+    for name, why in not_timed.items():
+        results.skip(part, f"peer {name}", why)
     return steps
-
-
-def fastest(times: dict[str, float]) -> tuple[Optional[str], Optional[float]]:
-    if not times:
-        return None, None
-    name = min(times, key=times.get)
-    return name, times[name]
 
 
 # ----------------------------------------------------------------------------- part a and b
@@ -302,14 +239,13 @@ def _time_ours(case: Case, qs, caches, mode: str, best: float, row: dict) -> Non
 
 
 def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
-    qs = queries(case, CALLS)
-    caches = layer_caches(case.kv_cache, CALLS)
-    names = PEERS_BF16 if case.fmt == "bf16" else PEERS_FP8
+    qs, caches, layers = peer_kernels.back_to_back_inputs(case, CALLS)
     peer_times = {}
-    for name, (run, first) in peer_steps(case, qs, caches, names, results, "a").items():
-        peer_times[name] = median_ms(run) * 1e3 / CALLS
-        progress(f"  peer {name:<20} {peer_times[name]:8.1f} us/call  err={relative_error(first, case.reference):.1e}")
-    best_name, best = fastest(peer_times)
+    for name, step in peer_steps(case, CALLS, layers, results, "a").items():
+        peer_times[name] = median_ms(step.run) * 1e3 / CALLS
+        progress(f"  peer {name:<20} {peer_times[name]:8.1f} us/call  "
+                 f"err={relative_error(step.first, case.reference):.1e}")
+    best_name, best = peer_kernels.fastest(peer_times)
     row = dict(case=case.label, best_peer=best_name, peer_us=best)
     for mode in ("eager", "compiled", "cudagraphs"):
         if deadline.spent():
@@ -322,10 +258,8 @@ def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
 def one_call(case: Case, results: Results) -> None:
     """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it)."""
     qs, caches = [case.c["q"]], [case.kv_cache]
-    names = PEERS_BF16 if case.fmt == "bf16" else PEERS_FP8
-    peer_times = {name: median_ms(run) * 1e3 for name, (run, _) in peer_steps(case, qs, caches, names, results,
-                                                                              "b").items()}
-    best_name, best = fastest(peer_times)
+    peer_times = {name: median_ms(step.run) * 1e3 for name, step in peer_steps(case, 1, [{}], results, "b").items()}
+    best_name, best = peer_kernels.fastest(peer_times)
     row = dict(case=case.label, best_peer=best_name, peer_us=best)
     for mode in ("compiled", "cudagraphs"):
         _time_ours(case, qs, caches, mode, best, row)
@@ -342,7 +276,7 @@ def part_c(fmts, calls: int, cudagraphs: bool, deadline: Deadline, results: Resu
     for fmt in fmts:
         progress(f"## c: {fmt}, H=128, {calls} calls per step, {'CUDA graphs' if cudagraphs else 'no CUDA graphs'}")
         cases = {B: make_case(B, 128, fmt, seed=B) for B in C_BATCHES}
-        inputs = {B: (queries(cases[B], calls), [cases[B].kv_cache]) for B in C_BATCHES}
+        inputs = {B: (peer_kernels.layer_queries(cases[B].c["q"], calls), [cases[B].kv_cache]) for B in C_BATCHES}
         alone = {}
         for B in C_BATCHES:  # the reference: a step compiled for this B only
             if deadline.spent():
@@ -517,6 +451,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
     p.add_argument("--quick", action="store_true", help="a few cases per part (a smoke run of the script)")
+    p.add_argument("--cases", type=parse_cases, default=None,
+                   help="parts a/b on these cases only, BxH:fmt,... (fmt bf16 or fp8_e4m3), e.g. 1x128:fp8_e4m3")
     p.add_argument("--all", action="store_true",
                    help="part b at H=16 too and part c with fp8_e4m3 too (by default: H=128, bf16)")
     p.add_argument("--time-limit", type=float, default=510.0,
@@ -536,7 +472,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if "a" in args.parts or "b" in args.parts:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
-        part_ab(QUICK_CASES if args.quick else CASES, args.parts, (16, 128) if args.all else ONE_CALL_HEADS,
+        part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts, (16, 128) if args.all else ONE_CALL_HEADS,
                 deadline, results)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")

@@ -12,7 +12,7 @@ each case, cache format and backend:
 
 - ``per call``: a compiled step (CUDA graphs, ``mode="reduce-overhead"``) making ``--layers`` calls
   that share block_table / seq_lens, as the layers of one forward do, each on its own query and its own
-  cache (``layer_caches``: L2 never holds a call's cache, as for the peers); its time divided by the
+  cache (``peers.layer_caches``: L2 never holds a call's cache, as for the peers); its time divided by the
   number of calls. The plan (if the backend has one) is made once per step and is
   part of the time, as in a model; peers are timed with a plan made once outside the loop.
 - ``1 call``: a compiled step with one call (plan included), for the backend the table chose.
@@ -81,19 +81,6 @@ def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_
     return mla_inductor.backend_for_call(*args, q_scale).backend
 
 
-CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
-
-
-def layer_caches(kv_cache, calls: int, budget: int = CACHE_COPIES_BYTES) -> list:
-    """One cache per call, as each layer of a model has its own: ``kv_cache`` and copies of it. A step
-    over one shared cache would find it in L2 from the previous call (all of it at B=1: 4.7 MB), which
-    the peers, timed with L2 flushed before each call, never do. Past ``budget`` the copies are reused
-    in turn; each is then > budget / calls (~270 MB for 61 calls), far more than L2 holds."""
-    size = kv_cache.numel() * kv_cache.element_size()
-    copies = max(1, min(calls, budget // max(size, 1)))
-    return [kv_cache] + [kv_cache.clone() for _ in range(copies - 1)]
-
-
 def _calls_step(calls: int, scale: float):
     """A step of ``calls`` decodes sharing one page table, each on its own query and cache (identical
     calls would be merged by common-subexpression elimination). q_nope/q_pe are slices of one
@@ -149,7 +136,7 @@ def compile_calls(backend: str, calls: int, q, kv_cache, block_table, seq_lens, 
     recorded; ``query``: how the calls treat q (a static q_scale, or allow_fp8_query); ``made``: q computed
     in the step (``--q-producer``; None: q is an input)."""
     query = query or BF16_QUERY
-    caches = layer_caches(kv_cache, calls)
+    caches = peer_kernels.layer_caches(kv_cache, calls)
     fn, args, query_inputs = _step_and_args(calls, q, caches, block_table, seq_lens, scale, kv_scale,
                                             sparse_indices, query.q_scale, made)
     torch._dynamo.reset()
@@ -196,7 +183,7 @@ def time_peer_graphed(make, c, cache_key: str, calls: int, fresh=fresh_query) ->
     launch latency, no L2 flush between calls), which separates what the plugin costs from how a
     single call is timed. ``cache_key``: the case entry the peer reads its cache from; ``fresh(c)``: the
     entries giving another call its own query."""
-    copies = layer_caches(c[cache_key], calls)
+    copies = peer_kernels.layer_caches(c[cache_key], calls)
     fns = []
     for i, cache in enumerate(copies):
         query = {} if i == 0 else fresh(c)

@@ -18,8 +18,15 @@ benchmark reports it and goes on):
 
 Cases are DeepSeek-V3 shaped (kv_lora_rank 512, rope 64, page 64) with scattered pages, bf16 q and
 cache; ``reference`` / ``sparse_reference`` compute the fp32 result each kernel is checked against.
-Every peer maker takes a case and returns a zero-argument function running one call; a dense peer reads
-its query from the case entries ``QUERY_ENTRIES`` names (made from ``c["q"]`` when absent).
+Every peer maker takes a case and returns a zero-argument function running one call, its plan / schedule /
+quantized query made once by the maker, never by the call; a dense peer reads its query from the case
+entries ``QUERY_ENTRIES`` names (made from ``c["q"]`` when absent).
+
+A peer's direct call back to back (``direct_step``) is made here once for every benchmark that compares
+with "the fastest peer's direct call" (bench_modes, bench_host_overhead): the peers of the cache format
+(``DIRECT_PEERS``), ``calls`` calls per step, each by the peer's own Python call on its own query and cache
+(``back_to_back_inputs``: the layers of one model step), plan made once when the step is made. Each
+benchmark only chooses its clock (and says which in its docstring).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -34,6 +43,7 @@ D_CKV, D_PE = 512, 64
 D_QK = D_CKV + D_PE
 PAGE = 64
 FP8_MAX = 448.0
+CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
 
 # (B, H, S) cases, ("var", B, H, S) for lengths drawn from [S/8, S]; sparse cases are (B, H, S, top-k).
 FULL = [(1, 128, 4096), (16, 128, 4096), (64, 128, 4096), (128, 128, 4096), (128, 128, 1024),
@@ -151,6 +161,60 @@ def ds_mla_cache(cache: torch.Tensor):
     out[..., 528:] = cache[..., D_CKV:].contiguous().view(torch.uint8)
     deq = torch.cat([(q8.float() * scale).reshape(P, page, 512), cache[..., D_CKV:].float()], -1)
     return out, deq.to(torch.bfloat16)
+
+
+@dataclass
+class FormatCase:
+    """A dense case in one cache format: ``make_case``'s data ``c`` and what our op takes for it."""
+
+    B: int
+    H: int
+    fmt: str  # "bf16" or "fp8_e4m3" (one per-tensor scale)
+    c: dict
+    kv_cache: torch.Tensor  # the cache in ``fmt``, also ``c[cache_key]``
+    kv_scale: torch.Tensor  # [1] fp32 (1 for bf16)
+    cache_key: str  # the entry of ``c`` the format's peers read their cache from
+    reference: torch.Tensor  # fp32 [B, H, 512] on the cache's values as stored (fp8: dequantized), bf16 q
+    host_lens: torch.Tensor  # a host copy of ``c["lens"]``
+
+    @property
+    def label(self) -> str:
+        return f"B={self.B} H={self.H} {self.fmt}"
+
+
+def format_case(B: int, H: int, S: int, fmt: str, seed: int = 0) -> FormatCase:
+    c = make_case(B, H, S, seed=seed)
+    if fmt == "bf16":
+        kv_cache, kv_scale, key, ref = c["cache"], torch.ones(1, device="cuda"), "cache", reference(c)
+    elif fmt == "fp8_e4m3":
+        kv_cache, k_scale = fp8_cache(c)
+        kv_scale, key, ref = k_scale.reshape(1).float(), "cache_fp8", c["ref_fp8"]
+    else:
+        raise ValueError(f"format_case: fmt must be one of {sorted(DIRECT_PEERS)}, got {fmt!r}")
+    return FormatCase(B, H, fmt, c, kv_cache, kv_scale, key, ref, c["lens"].cpu())
+
+
+def layer_caches(kv_cache: torch.Tensor, calls: int, budget: int = CACHE_COPIES_BYTES) -> list:
+    """One cache per call, as each layer of a model has its own: ``kv_cache`` and copies of it. A step
+    over one shared cache would find it in L2 from the previous call (all of it at B=1: 4.7 MB). Past
+    ``budget`` the copies are reused in turn; each is then > budget / calls (~270 MB for 61 calls), far more
+    than L2 holds."""
+    size = kv_cache.numel() * kv_cache.element_size()
+    copies = max(1, min(calls, budget // max(size, 1)))
+    return [kv_cache] + [kv_cache.clone() for _ in range(copies - 1)]
+
+
+def layer_queries(q: torch.Tensor, calls: int) -> list:
+    """One query per call: ``q`` and ``calls - 1`` new ones of its distribution."""
+    return [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
+
+
+def back_to_back_inputs(case: FormatCase, calls: int, cache_budget: int = CACHE_COPIES_BYTES):
+    """(queries, caches, peer entries) of ``calls`` calls back to back, as the attention calls of one model
+    step: call i on query i and cache i % len(caches) (``layer_queries``, ``layer_caches``); the entries give
+    ``direct_step`` the same pairs, query i with cache i, for i < len(caches)."""
+    qs, caches = layer_queries(case.c["q"], calls), layer_caches(case.kv_cache, calls, cache_budget)
+    return qs, caches, [{"q": qs[i], case.cache_key: cache} for i, cache in enumerate(caches)]
 
 
 def sparse_case(B: int, H: int, S: int, topk: int, seed: int = 0) -> dict:
@@ -305,6 +369,62 @@ QUERY_ENTRIES = {
     "flashmla_fp8": ("q_fp8",), "sgl_flashmla_fp8": ("q_fp8",),
     "flashmla_sparse_fp8_all": ("q",), "sgl_flashmla_sparse_fp8_all": ("q",),
 }
+
+
+# The peers "the fastest peer's direct call" is the fastest of, per cache format of a dense call.
+DIRECT_PEERS = {
+    "bf16": ("sgl_flashmla", "flashmla", "flashinfer_fa3", "flashinfer_fa2"),
+    "fp8_e4m3": ("sgl_flashmla_fp8", "flashmla_fp8", "flashinfer_fa3_fp8", "flashinfer_fa2_fp8"),
+}
+
+
+@dataclass
+class DirectStep:
+    """A peer's direct calls back to back (``direct_step``): ``run()`` makes the step's calls."""
+
+    name: str
+    run: Callable[[], None]
+    first: torch.Tensor  # the first call's output, [B, H, 512]
+
+
+def direct_step(name: str, c: dict, calls: int, layers: tuple = ({},), makers: Optional[dict] = None) -> DirectStep:
+    """``calls`` direct calls of peer ``name`` back to back. Each call is the peer's own Python call (the
+    function ``makers[name]``, by default ``PEERS[name]``, returns); its plan, schedule and quantized query are
+    made when the step is made, once per entry of ``layers``, never in ``run()``. Call i reads ``c`` with the
+    entries ``layers[i % len(layers)]`` in place of its own (e.g. its own ``q`` and cache). ``run()`` keeps no
+    output and does nothing else: what it costs is the peer's."""
+    make = (PEERS if makers is None else makers)[name]
+    fns = [make(dict(c, **layer)) for layer in layers]
+    first = fns[0]().reshape(c["B"], c["H"], D_CKV).clone()
+
+    def run() -> None:
+        for i in range(calls):
+            fns[i % len(fns)]()
+
+    run()  # what a first step does once (lazy module loads, a first call's metadata) is not timed
+    return DirectStep(name, run, first)
+
+
+def direct_steps(names, c: dict, calls: int, layers: tuple = ({},), makers: Optional[dict] = None):
+    """({peer: its ``direct_step``} for the peers of ``names`` that run here, {peer: why not} for the others:
+    "not installed: ..." or "failed: ..."). A best peer is the best of those that ran: say which did not."""
+    steps, not_timed = {}, {}
+    for name in names:
+        try:
+            steps[name] = direct_step(name, c, calls, layers, makers)
+        except PeerMissing as e:
+            not_timed[name] = f"not installed: {e}"
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+            not_timed[name] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+    return steps, not_timed
+
+
+def fastest(times: dict) -> tuple:
+    """(name, time) of the smallest time, (None, None) for none."""
+    if not times:
+        return None, None
+    name = min(times, key=times.get)
+    return name, times[name]
 
 
 def peer_reference(name: str, c: dict) -> torch.Tensor:

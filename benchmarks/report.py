@@ -1,5 +1,5 @@
-"""What every benchmark shares: the GPU check, the environment line, timing (and a step's bookkeeping), and
-writing results (--out)."""
+"""What every benchmark shares: the GPU check, the environment line, timing (and a step's bookkeeping and
+our op's step of back-to-back calls), and writing results (--out)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+D_CKV = 512  # kv_lora_rank: q_nope's width in the benchmarks' DeepSeek-V3 shapes
 
 
 def require_gpu(script: str) -> None:
@@ -37,6 +39,16 @@ def median_ms(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def parse_cases(text: str) -> list[tuple[int, int, str]]:
+    """``--cases`` text, "BxH:fmt,..." (fmt "bf16" when left out), as [(B, H, fmt)]."""
+    cases = []
+    for item in text.split(","):
+        shape, _, fmt = item.partition(":")
+        B, H = (int(x) for x in shape.split("x"))
+        cases.append((B, H, fmt or "bf16"))
+    return cases
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -86,3 +98,15 @@ def mark_new_step(seq_lens: torch.Tensor, host_lens: torch.Tensor) -> None:
     import mla_inductor
 
     mla_inductor.register_host_lengths(seq_lens, host_lens)
+
+
+def decode_calls(scale: float):
+    """Our op's step of back-to-back decode calls sharing one page table, call i on query i and cache
+    i % len(caches) (``peers.back_to_back_inputs``, the inputs the peers' ``direct_step`` reads); q_nope / q_pe
+    are slices of one [T, H, 576] query (the layout the kernels read)."""
+
+    def step(qs, caches, block_table, seq_lens, kv_scale):
+        return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
+                                           seq_lens, scale, kv_scale) for i, q in enumerate(qs)]
+
+    return step

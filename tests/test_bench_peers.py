@@ -1,0 +1,143 @@
+"""The peers' direct step (``benchmarks/peers.py``), the one step bench_modes and bench_host_overhead both time
+as "the fastest peer's direct call": made on CPU with stand-in peers (the real ones need a GPU).
+
+What must hold for the two scripts' best peers to mean the same thing: each peer function is made once per
+layer entry (its plan, schedule and quantized query made there) and never in the timed loop; call i reads
+layer i % n; both scripts take the format's peers from ``DIRECT_PEERS`` through ``direct_steps``; and
+bench_host_overhead runs its torch.profiler pass only after every row is timed (a finished profiler session
+slows later CUDA calls).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmark_modules import BENCHMARKS, load_benchmark
+
+peers = load_benchmark("peers")
+
+
+class StandInPeer:
+    """A peer maker recording what each function is made with and which function each call runs."""
+
+    def __init__(self):
+        self.made: list[dict] = []
+        self.calls: list[int] = []
+
+    def __call__(self, c: dict):
+        index = len(self.made)
+        self.made.append(c)
+        out = torch.full((c["B"], 1, c["H"], 512), float(index))
+
+        def call():
+            self.calls.append(index)
+            return out
+
+        return call
+
+
+def _missing(c):
+    raise peers.PeerMissing("somepeer is not installed (pip install somepeer)")
+
+
+def _broken(c):
+    raise RuntimeError("no kernel for this shape")
+
+
+def _case(B: int = 2, H: int = 4, pages: int = 3, fmt: str = "bf16") -> "peers.FormatCase":
+    """A FormatCase on CPU, small: random q [B, H, 576], cache [pages, 64, 576]."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 576, generator=g).to(torch.bfloat16)
+    cache = torch.randn(pages, 64, 576, generator=g).to(torch.bfloat16)
+    key = "cache" if fmt == "bf16" else "cache_fp8"
+    c = dict(B=B, H=H, S=64, page=64, q=q, lens=torch.full((B,), 64, dtype=torch.int32),
+             block_table=torch.arange(B, dtype=torch.int32).reshape(B, 1), scale=0.1, **{key: cache})
+    return peers.FormatCase(B, H, fmt, c, cache, torch.ones(1), key, torch.zeros(B, H, 512), c["lens"].clone())
+
+
+def test_a_direct_step_makes_each_peer_function_once_per_layer_and_only_calls_it_in_the_loop():
+    layers = [{"q": torch.full((2, 4, 576), float(i))} for i in range(3)]
+    peer = StandInPeer()
+    step = peers.direct_step("p", dict(B=2, H=4, q=None), 7, layers, makers={"p": peer})
+    assert [m["q"][0, 0, 0].item() for m in peer.made] == [0.0, 1.0, 2.0]  # each layer's own entries
+    assert peer.calls == [0] + [0, 1, 2, 0, 1, 2, 0]  # the first output, then one untimed step
+    assert step.first.shape == (2, 4, 512) and step.first.eq(0).all()
+    peer.calls.clear()
+    step.run()
+    assert peer.calls == [0, 1, 2, 0, 1, 2, 0] and len(peer.made) == 3  # the timed loop makes nothing
+
+
+def test_direct_steps_time_the_peers_that_run_and_name_the_others():
+    makers = {"ok": StandInPeer(), "absent": _missing, "broken": _broken}
+    steps, not_timed = peers.direct_steps(("absent", "ok", "broken"), dict(B=1, H=2), 3, makers=makers)
+    assert list(steps) == ["ok"]
+    assert not_timed["absent"].startswith("not installed: somepeer is not installed")
+    assert not_timed["broken"] == "failed: RuntimeError: no kernel for this shape"
+
+
+def test_the_fastest_is_the_smallest_time_of_those_given():
+    assert peers.fastest({}) == (None, None)
+    assert peers.fastest({"a": 2.0, "b": 1.5, "c": 3.0}) == ("b", 1.5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_back_to_back_inputs_give_each_call_its_own_query_and_cache(fmt):
+    case = _case(fmt=fmt)
+    qs, caches, layers = peers.back_to_back_inputs(case, 5)
+    assert len(qs) == 5 and qs[0] is case.c["q"] and len({q.data_ptr() for q in qs}) == 5
+    assert len(caches) == 5 and caches[0] is case.kv_cache and len({k.data_ptr() for k in caches}) == 5
+    assert all(torch.equal(k, case.kv_cache) for k in caches)
+    assert [(entry["q"], entry[case.cache_key]) for entry in layers] == list(zip(qs, caches))
+    size = case.kv_cache.numel() * case.kv_cache.element_size()
+    assert len(peers.back_to_back_inputs(case, 5, cache_budget=2 * size)[1]) == 2  # copies reused past it
+    assert len(peers.back_to_back_inputs(case, 5, cache_budget=0)[1]) == 1
+
+
+def test_every_format_has_its_direct_peers():
+    assert set(peers.DIRECT_PEERS) == {"bf16", "fp8_e4m3"}
+    for fmt, names in peers.DIRECT_PEERS.items():
+        assert set(names) <= set(peers.PEERS), fmt
+        assert all(name.endswith("fp8") == (fmt == "fp8_e4m3") for name in names), fmt
+
+
+def test_bench_modes_times_the_formats_direct_steps(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench_modes = load_benchmark("bench_modes")
+    case = _case(fmt="fp8_e4m3")
+    stand_ins = {name: StandInPeer() for name in peers.DIRECT_PEERS["fp8_e4m3"]}
+    absent = peers.DIRECT_PEERS["fp8_e4m3"][0]
+    for name, maker in stand_ins.items():
+        monkeypatch.setitem(peers.PEERS, name, _missing if name == absent else maker)
+    qs, caches, layers = peers.back_to_back_inputs(case, 4)
+    results = bench_modes.Results()
+    steps = bench_modes.peer_steps(case, 4, layers, results, "a")
+    assert set(steps) == set(stand_ins) - {absent}
+    assert results.skipped["a"] == [f"peer {absent}: not installed: somepeer is not installed (pip install somepeer)"]
+    for name in steps:
+        assert [m["q"] for m in stand_ins[name].made] == qs  # one function per call's query and cache
+        assert [m["cache_fp8"] for m in stand_ins[name].made] == caches
+
+
+def test_bench_host_overhead_profiles_only_after_every_real_row_is_timed(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_host_overhead")
+    events = []
+
+    def timed(B, H, fmt, args):
+        events.append(("timed", fmt))
+        return {"case": f"B={B} H={H} {fmt}", "peer": 1.0, "eager": 2.0, "compiled": 2.0}
+
+    monkeypatch.setattr(bench, "time_real_case", timed)
+    monkeypatch.setattr(bench, "profile_real_case", lambda B, H, fmt, args, row: events.append(("profiled", fmt)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    bench.main(["--device", "cuda", "--real", "--real-only", "--cases", "1x128:bf16,1x128:fp8_e4m3"])
+    assert events == [("timed", "bf16"), ("timed", "fp8_e4m3"), ("profiled", "bf16"), ("profiled", "fp8_e4m3")]
+    assert "B=1 H=128 fp8_e4m3" in capsys.readouterr().out
+
+
+def test_both_scripts_read_cases_alike(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    report = load_benchmark("report")
+    assert report.parse_cases("1x128:fp8_e4m3,32x16") == [(1, 128, "fp8_e4m3"), (32, 16, "bf16")]
