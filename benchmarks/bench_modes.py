@@ -381,13 +381,15 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> 
 
 
 def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int = S, warmup: int = 5,
-               iters: int = 20) -> dict:
-    """Mean ms of one decode step of the patched model in ``mode``, and the backends the pass chose."""
-    cache = hf.allocate_cache(model, batch_size=B, max_seq_len=context + 1, fmt=fmt)
-    hf.patch_deepseek(model, cache)
-    bench_e2e.fill_random(cache, context)
-    slots = cache.reserve(1)  # rewritten every step: the context stays fixed
-    tokens = torch.randint(1, model.config.vocab_size, (B,), device="cuda")
+               iters: int = 20, device: str = "cuda") -> dict:
+    """Mean ms of one decode step (``hf.decode_one_token`` on a ``PagedMLACache`` of ``context`` tokens, the
+    model on our attention) in ``mode``, and the backends the pass chose."""
+    from mla_inductor.testing import fill_paged_mla_cache
+
+    model.set_attn_implementation(hf.register())
+    cache = hf.PagedMLACache(model, batch_size=B, max_seq_len=context + 1, fmt=fmt)
+    fill_paged_mla_cache(cache, context)
+    tokens = torch.randint(1, model.config.vocab_size, (B,), device=device)
     cudagraphs = mode.endswith("+cudagraphs")
     compile_mode = "reduce-overhead" if cudagraphs else None
     per_layer = mode.startswith("per_layer")
@@ -400,15 +402,16 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
         step = torch.compile(hf.decode_one_token, fullgraph=True, mode=compile_mode)
 
     def run():
-        mark_new_step(cache.seq_lens, cache.host_seq_lens)
         if per_layer and cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the layers' graphs may overwrite outputs
-        return step(model, tokens, slots)
+        logits = step(model, tokens, cache)
+        cache.crop(-1)  # back to the fixed context: the next step rewrites the same slot
+        return logits
 
     try:
         with torch.no_grad():
             _, backends = decisions_during(run, lower_afresh=False)
-            ms = bench_e2e.time_ms(run, torch.device("cuda"), warmup, iters)
+            ms = bench_e2e.time_ms(run, torch.device(device), warmup, iters)
         return dict(ms=ms, backends=",".join(backends) or "cached graph")
     finally:
         if per_layer:

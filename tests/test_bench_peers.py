@@ -141,3 +141,23 @@ def test_both_scripts_read_cases_alike(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     report = load_benchmark("report")
     assert report.parse_cases("1x128:fp8_e4m3,32x16") == [(1, 128, "fp8_e4m3"), (32, 16, "bf16")]
+
+
+@pytest.mark.parametrize("mode", ["whole", "per_layer"])
+def test_bench_modes_part_d_steps_the_hf_model_on_cpu(mode):
+    """Part d's step runs the current HF integration (register + PagedMLACache + decode_one_token) end to end:
+    a tiny model on CPU, compiled whole or per layer, the layers' forwards restored afterwards."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    load_benchmark("report")  # imported by name by the scripts below
+    bench_e2e = load_benchmark("bench_e2e")
+    bench_modes = load_benchmark("bench_modes")
+    from mla_inductor import hf
+
+    args = argparse.Namespace(small=True, layers=2, intermediate=64, vocab=256)
+    model = bench_e2e.build_model(args, torch.device("cpu"), torch.float32)
+    result = bench_modes.hf_step_ms(model, hf, bench_e2e, "bf16", 2, mode, context=16, warmup=1, iters=2,
+                                    device="cpu")
+    assert result["ms"] > 0, result
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
