@@ -257,6 +257,15 @@ def _transformers_or_skip():
         pytest.skip(f"needs transformers>=5.23, found {transformers.__version__}")
 
 
+def _seeded_v3_model(attn_implementation: str, **config):
+    """A random-weight DeepSeek-V3 (transformers >= 5.23, else the test skips), seed 0, pad token 0."""
+    _transformers_or_skip()
+    from mla_inductor.testing import random_deepseek_model
+
+    torch.manual_seed(0)
+    return random_deepseek_model("v3", attn_implementation=attn_implementation, pad_token_id=0, **config)
+
+
 class DataOps(TorchDispatchMode):
     """Counts the aten/mla ops that produce or write data (views and aliases are free). The prompt kernel
     ``mla.prefill_attention`` is counted by what its sdpa fallback runs (what HF's sdpa attention runs),
@@ -351,17 +360,13 @@ def test_prefill_issues_no_op_beyond_hf_sdpa_but_the_cache_write(case, pad_lens)
 
 
 def test_unpadded_prompt_runs_the_prompt_kernel_and_generates_hf_eager_tokens():
-    _transformers_or_skip()
     from mla_inductor import hf
-    from mla_inductor.testing import random_deepseek_model
 
-    torch.manual_seed(0)
-    model = random_deepseek_model(
-        "v3", attn_implementation="eager", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    model = _seeded_v3_model(
+        "eager", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1,
-        first_k_dense_replace=1, max_position_embeddings=128, pad_token_id=0)
+        n_group=2, topk_group=1, first_k_dense_replace=1, max_position_embeddings=128)
     model.generation_config.eos_token_id = None
     ids = torch.randint(1, 256, (2, 20), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
@@ -381,18 +386,14 @@ def test_hf_prefill_on_gpu_is_as_accurate_as_hf_sdpa():
     """bf16 DeepSeek-V3 (DeepSeek's head dims, 16 heads), 512-token prompt: our prefill's logits are as close to
     the fp32 model's (HF sdpa) as HF's own bf16 sdpa prefill is; the prompt kernel ran FlashInfer when it
     takes the call."""
-    _transformers_or_skip()
+    model = _seeded_v3_model(
+        "sdpa", vocab_size=1024, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=2, max_position_embeddings=1024,
+    ).to("cuda")
     from transformers import DynamicCache
 
     from mla_inductor import hf
-    from mla_inductor.testing import random_deepseek_model
-
-    torch.manual_seed(0)
-    model = random_deepseek_model(
-        "v3", attn_implementation="sdpa", vocab_size=1024, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=2, max_position_embeddings=1024, pad_token_id=0,
-    ).to("cuda")
     ids = torch.randint(1, 1024, (1, 512), device="cuda")
 
     def logits(cache):
