@@ -341,7 +341,8 @@ def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, mark: bool = 
 D_MODES = ("whole+cudagraphs", "per_layer+cudagraphs", "whole", "per_layer")
 
 
-def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> None:
+def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, configs=None, modes=D_MODES,
+           profile: bool = False) -> None:
     """The HF model's decode step in each mode; the acceptance pair (per layer vs whole, with CUDA graphs)
     first for every configuration, the modes without CUDA graphs after, as time allows."""
     import bench_e2e
@@ -353,16 +354,16 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> 
         return
     model_args = argparse.Namespace(small=False, layers=layers, intermediate=2048, vocab=32768)
     model = bench_e2e.build_model(model_args, torch.device("cuda"), torch.bfloat16)
-    configs = [(fmt, B) for fmt in fmts for B in batches]
+    configs = configs or [(fmt, B) for fmt in fmts for B in batches]
     measured: dict[tuple, dict] = {cfg: {} for cfg in configs}
-    for modes in (D_MODES[:2], D_MODES[2:]):
+    for group in (D_MODES[:2], D_MODES[2:]):
         for fmt, B in configs:
-            for mode in modes:
+            for mode in (m for m in group if m in modes):
                 if deadline.spent():
                     results.skip("d", f"{fmt} B={B} {mode}", "time limit")
                     continue
                 try:
-                    measured[(fmt, B)][mode] = hf_step_ms(model, hf, bench_e2e, fmt, B, mode)
+                    measured[(fmt, B)][mode] = hf_step_ms(model, hf, bench_e2e, fmt, B, mode, profile=profile)
                     progress(f"  [d] {fmt} B={B} {mode}: {measured[(fmt, B)][mode]}")
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
@@ -381,7 +382,7 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results) -> 
 
 
 def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int = S, warmup: int = 5,
-               iters: int = 20, device: str = "cuda") -> dict:
+               iters: int = 20, device: str = "cuda", profile: bool = False) -> dict:
     """Mean ms of one decode step (``hf.decode_one_token`` on a ``PagedMLACache`` of ``context`` tokens, the
     model on our attention) in ``mode``, and the backends the pass chose."""
     from mla_inductor.testing import fill_paged_mla_cache
@@ -412,11 +413,28 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
         with torch.no_grad():
             _, backends = decisions_during(run, lower_afresh=False)
             ms = bench_e2e.time_ms(run, torch.device(device), warmup, iters)
+            if profile:
+                progress(f"--- torch.profiler, 3 steps of {fmt} B={B} {mode}\n{step_profile(run, device)}")
         return dict(ms=ms, backends=",".join(backends) or "cached graph")
     finally:
         if per_layer:
             for layer in layers:
                 del layer.forward  # back to the class's forward
+
+
+def step_profile(run: Callable[[], object], device: str, steps: int = 3, rows: int = 25) -> str:
+    """torch.profiler's table of ``steps`` steps (host and device time per op, by host time): where a mode's
+    extra milliseconds go (a host plan, a copy, a sync, launches between graphs)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.no_grad(), torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
 
 
 # ----------------------------------------------------------------------------- report
@@ -450,6 +468,16 @@ def markdown(results: Results, env: dict, args) -> str:
     return "\n".join(out)
 
 
+def _d_configs(text: str) -> list[tuple[str, int]]:
+    configs = []
+    for item in text.split(","):
+        fmt, _, batch = item.partition(":")
+        if not batch.isdigit():
+            raise argparse.ArgumentTypeError(f"--d-configs takes fmt:B items, e.g. fp8_e4m3:1; got {item!r}")
+        configs.append((fmt, int(batch)))
+    return configs
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
@@ -464,9 +492,19 @@ def main(argv=None) -> None:
     p.add_argument("--c-no-cudagraphs", dest="c_cudagraphs", action="store_false",
                    help="part c without CUDA graphs (default: with)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers of the HF model in part d")
+    p.add_argument("--d-configs", type=_d_configs, default=None,
+                   help="part d on these configurations only, fmt:B,... (e.g. fp8_e4m3:1,fp8_ds_mla:64)")
+    p.add_argument("--d-modes", type=lambda text: tuple(text.split(",")), default=None,
+                   help=f"part d's modes, comma-separated among {', '.join(D_MODES)} (default: all)")
+    p.add_argument("--d-profile", action="store_true",
+                   help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
+                        "session slows what follows it: time with the same configuration without this flag)")
     add_out_argument(p)
     args = p.parse_args(argv)
     args.parts = "".join(ch for ch in args.parts if ch in "abcd")
+    unknown = set(args.d_modes or ()) - set(D_MODES)
+    if unknown:
+        p.error(f"--d-modes: unknown {sorted(unknown)}; the modes are {', '.join(D_MODES)}")
     require_gpu("bench_modes.py")
     deadline = Deadline(args.time_limit)
     env = environment(("flashinfer", "flash_mla", "vllm", "transformers"))
@@ -484,7 +522,8 @@ def main(argv=None) -> None:
         progress("# part d: HF model modes")
         try:
             part_d((1, 16) if args.quick else (1, 16, 64), ("bf16", "fp8_e4m3") if args.quick else
-                   ("bf16", "fp8_e4m3", "fp8_ds_mla"), args.layers, deadline, results)
+                   ("bf16", "fp8_e4m3", "fp8_ds_mla"), args.layers, deadline, results, configs=args.d_configs,
+                   modes=args.d_modes or D_MODES, profile=args.d_profile)
         except Exception as e:  # noqa: BLE001 - e.g. transformers missing
             traceback.print_exc()
             results.skip("d", "HF model", f"failed: {type(e).__name__}: {str(e)[:200]}")

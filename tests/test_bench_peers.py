@@ -158,6 +158,14 @@ def test_bench_modes_part_d_steps_the_hf_model_on_cpu(mode):
     args = argparse.Namespace(small=True, layers=2, intermediate=64, vocab=256)
     model = bench_e2e.build_model(args, torch.device("cpu"), torch.float32)
     result = bench_modes.hf_step_ms(model, hf, bench_e2e, "bf16", 2, mode, context=16, warmup=1, iters=2,
-                                    device="cpu")
+                                    device="cpu", profile=mode == "per_layer")
     assert result["ms"] > 0, result
     assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_bench_modes_part_d_options_parse():
+    load_benchmark("report")
+    bench_modes = load_benchmark("bench_modes")
+    assert bench_modes._d_configs("fp8_e4m3:1,bf16:64") == [("fp8_e4m3", 1), ("bf16", 64)]
+    with pytest.raises(Exception, match="fmt:B"):
+        bench_modes._d_configs("fp8_e4m3")
