@@ -26,8 +26,7 @@ c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp
 d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real attention dims, small dense
    MLP), context 4096, one decode step (``mla_inductor.hf.decode_one_token``) in four modes: the whole step
    compiled, with and without CUDA graphs, and each decoder layer compiled on its own (regional
-   compilation), with and without CUDA graphs (with ``torch.compiler.cudagraph_mark_step_begin()`` before
-   every step), at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches. Target: per layer + CUDA graphs
+   compilation), with and without CUDA graphs (``hf.decode_one_token`` marks each CUDA-graph step itself), at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches. Target: per layer + CUDA graphs
    <= 1.1x the whole step with CUDA graphs.
 
 Timing: ``triton.testing.do_bench`` median (parts a-c): CUDA events around each step, L2 flushed before it, no
@@ -403,9 +402,7 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
         step = torch.compile(hf.decode_one_token, fullgraph=True, mode=compile_mode)
 
     def run():
-        if per_layer and cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: the layers' graphs may overwrite outputs
-        logits = step(model, tokens, cache)
+        logits = step(model, tokens, cache)  # uncompiled, decode_one_token marks the CUDA-graph step itself
         cache.crop(-1)  # back to the fixed context: the next step rewrites the same slot
         return logits
 

@@ -103,10 +103,17 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[
 def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACache") -> torch.Tensor:
     """One decode step: tokens [B] -> logits [B, V]. Positions and cache slots come from ``cache.seq_lens``
     on the device, so ``torch.compile(decode_one_token, fullgraph=True, mode="reduce-overhead")`` captures
-    the whole step in a CUDA graph with no host work between steps."""
+    the whole step in a CUDA graph with no host work between steps. Called uncompiled (layers compiled one
+    by one), it marks the start of a step for CUDA graphs (``torch.compiler.cudagraph_mark_step_begin``)."""
     if isinstance(cache, torch.Tensor):
         raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache; the slot mapping is now "
                         "computed on the device from the cache's lengths (the old slot_mapping argument is gone)")
+    if not torch.compiler.is_compiling():
+        # A new step: CUDA graphs of separately compiled layers (regional compilation, mode="reduce-overhead")
+        # may now reuse the previous step's output memory. Without the mark their next replay fails ("accessing
+        # tensor output of CUDAGraphs that has been overwritten"). Compiled whole, this function is traced and
+        # its one graph needs no mark.
+        torch.compiler.cudagraph_mark_step_begin()
     positions = cache.seq_lens[:, None].long()
     out = model(input_ids=tokens[:, None], position_ids=positions, past_key_values=cache, use_cache=True,
                 logits_to_keep=1)

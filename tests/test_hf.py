@@ -306,6 +306,26 @@ def test_own_decode_loop_reads_nothing_from_the_device(monkeypatch):
     assert not reads, dict(reads)
 
 
+def test_decode_one_token_marks_each_step_for_cuda_graphs_when_not_compiled_whole(monkeypatch):
+    """Uncompiled (layers compiled one by one), every step marks a CUDA-graph step begin, so per-layer graphs
+    may reuse the last step's outputs; compiled whole (fullgraph), the trace holds no mark and no graph break."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=15)
+    cache = use_mla(model, batch=4)
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        for _ in range(2):
+            token = hf.decode_one_token(model, token, cache).argmax(-1)
+        assert len(marks) == 2
+        torch._dynamo.reset()
+        step = torch.compile(hf.decode_one_token, fullgraph=True, backend="eager")
+        for _ in range(2):
+            token = step(model, token, cache).argmax(-1)
+    assert len(marks) == 2
+
+
 def test_capacity_is_still_checked_without_reading_the_device_each_step():
     """The host-side bound (columns seen) lets steps skip the device read; past it the device is read and a
     sequence that would outgrow max_seq_len is refused, in a chunk and in a step."""
