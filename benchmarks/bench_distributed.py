@@ -294,9 +294,8 @@ def part_b(rep: Report, setup: Setup, batches, contexts, mode: str, link_gbps: f
                                          p.seq_lens, p.scale, p.kv_scale, layouts[rank])
 
         other = [local(i, rank=1) for i in range(layers)]  # what rank 1 would send: fixed inputs of the merge
-        for t in (*p.whole, *shards[0], *shards[1], p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q,
-                  *[x for pair in other for x in pair]):
-            torch._dynamo.mark_static_address(t)
+        report.mark_static((*p.whole, *shards[0], *shards[1], p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q,
+                            *[x for pair in other for x in pair]))
 
         def local_and_merge(i):
             out, lse = local(i)
@@ -406,10 +405,8 @@ def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters
     for p in problems(rep, setup, batches, contexts):  # the same values on both ranks (seeded by B and S)
         B, S, layers = p.B, p.S, p.layers
         shard = p.shard(rank)
-        for t in (*p.whole, *shard, p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q):
-            torch._dynamo.mark_static_address(t)
         q_mine = p.q[:, :, rank * h:(rank + 1) * h].contiguous()
-        torch._dynamo.mark_static_address(q_mine)
+        report.mark_static((*p.whole, *shard, p.table, p.dcp_table, p.seq_lens, p.kv_scale, p.q, q_mine))
 
         def one_gpu():
             return [torch.ops.mla.paged_decode(p.q[i, ..., :L], p.q[i, ..., L:], p.whole[i], p.table, p.seq_lens,

@@ -65,8 +65,8 @@ from typing import Callable, Optional
 from unittest import mock
 
 import torch
-from report import (add_out_argument, decode_calls, environment, environment_line, mark_new_step, markdown_table,
-                    parse_cases, progress, relative_error, write_results)
+from report import (add_out_argument, decode_calls, environment, environment_line, lowered_afresh, mark_new_step,
+                    markdown_table, parse_cases, progress, relative_error, write_results)
 
 import mla_inductor
 from mla_inductor import contract
@@ -271,8 +271,7 @@ def fresh_compile(step: Callable) -> Callable:
     compiled = torch.compile(step, fullgraph=True)
 
     def run(*args):
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+        with lowered_afresh():
             return compiled(*args)
 
     return run

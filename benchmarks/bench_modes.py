@@ -26,8 +26,10 @@ c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp
 d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real attention dims, small dense
    MLP), context 4096, one decode step (``mla_inductor.hf.decode_one_token``) in four modes: the whole step
    compiled, with and without CUDA graphs, and each decoder layer compiled on its own (regional
-   compilation), with and without CUDA graphs (``hf.decode_one_token`` marks each CUDA-graph step itself), at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches. Target: per layer + CUDA graphs
-   <= 1.1x the whole step with CUDA graphs.
+   compilation), with and without CUDA graphs (``hf.decode_one_token`` marks each CUDA-graph step itself),
+   at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches (``--d-configs`` / ``--d-modes`` pick rows,
+   ``--d-profile`` prints torch.profiler's table of each mode). Target: per layer + CUDA graphs <= 1.1x the
+   whole step with CUDA graphs.
 
 Timing: ``triton.testing.do_bench`` median (parts a-c): CUDA events around each step, L2 flushed before it, no
 host sync between steps; where the host is slower than the kernels (B=1: a direct call's Python and launches take
@@ -56,7 +58,9 @@ from report import (
     decode_calls,
     environment,
     environment_line,
+    lowered_afresh,
     mark_new_step,
+    mark_static,
     markdown_table,
     median_ms,
     parse_cases,
@@ -120,14 +124,6 @@ def _free() -> None:
 
 # ----------------------------------------------------------------------------- cases and steps
 
-def mark_static(tensors) -> None:
-    """CUDA-graph trees copy every input whose address may change; caches are marked static, as
-    ``PagedLatentCache`` does for its tensors."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            torch._dynamo.mark_static_address(t)
-
-
 def make_case(B: int, H: int, fmt: str, seed: int = 0) -> Case:
     case = peer_kernels.format_case(B, H, S, fmt, seed=seed)
     mla_inductor.register_host_lengths(case.c["lens"], case.host_lens)
@@ -142,8 +138,7 @@ def decisions_during(fn: Callable[[], object], lower_afresh: bool = True) -> tup
 
     before = set(decisions())
     if lower_afresh:
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+        with lowered_afresh():
             result = fn()
     else:
         result = fn()
@@ -510,8 +505,8 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if "a" in args.parts or "b" in args.parts:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
-        part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts, (16, 128) if args.all else ONE_CALL_HEADS,
-                deadline, results)
+        part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
+                (16, 128) if args.all else ONE_CALL_HEADS, deadline, results)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

@@ -68,14 +68,6 @@ _err = report.relative_error
 RECORDS: list = []  # one dict per compiled backend and case, for --out
 
 
-def _mark_static(tensors) -> None:
-    """CUDA-graph trees copy every graph input whose address may change into a static buffer at each
-    replay; KV caches (hundreds of MB) must be marked static, as PagedLatentCache does for its tensors."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            torch._dynamo.mark_static_address(t)
-
-
 def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices, q_scale=None) -> str:
     args = (q[..., :D_CKV], q[..., D_CKV:], kv_cache, block_table, seq_lens, scale, kv_scale, sparse_indices)
     return mla_inductor.backend_for_call(*args, q_scale).backend
@@ -140,7 +132,7 @@ def compile_calls(backend: str, calls: int, q, kv_cache, block_table, seq_lens, 
     fn, args, query_inputs = _step_and_args(calls, q, caches, block_table, seq_lens, scale, kv_scale,
                                             sparse_indices, query.q_scale, made)
     torch._dynamo.reset()
-    _mark_static([*query_inputs, *caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale])
+    report.mark_static([*query_inputs, *caches, block_table, seq_lens, kv_scale, sparse_indices, query.q_scale])
     step = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
     kernels = None
     with contextlib.ExitStack() as stack:
@@ -461,7 +453,7 @@ def layered_step_overhead(peers, layers: int, B: int, H: int, S: int, rows: list
         return h
 
     torch._dynamo.reset()
-    _mark_static([q_nope, q_pe, block_table, seq_lens, kv_scale, *caches])
+    report.mark_static([q_nope, q_pe, block_table, seq_lens, kv_scale, *caches])
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     for _ in range(3):
         compiled(q_nope, q_pe, block_table, seq_lens, kv_scale, caches)

@@ -3,6 +3,7 @@ our op's step of back-to-back calls), and writing results (--out)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -98,6 +99,23 @@ def mark_new_step(seq_lens: torch.Tensor, host_lens: torch.Tensor) -> None:
     import mla_inductor
 
     mla_inductor.register_host_lengths(seq_lens, host_lens)
+
+
+def mark_static(tensors) -> None:
+    """CUDA-graph trees copy every graph input whose address may change into a static buffer at each replay;
+    KV caches (hundreds of MB) and the step's shared tensors are marked static, as PagedLatentCache does."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.mark_static_address(t)
+
+
+@contextlib.contextmanager
+def lowered_afresh():
+    """Inductor's FX-graph and AOT-autograd caches bypassed: a graph served from them runs no pass (records no
+    decision) and may have been compiled under another setting (e.g. the value-check policy)."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 def decode_calls(scale: float):
