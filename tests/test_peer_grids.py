@@ -100,7 +100,8 @@ SM90_REFUSALS = {
     "flashmla": {"flashinfer_oob_nan_page16_q17", "flashinfer_oob_nan_page16_q7", "flashinfer_page1_lens",
                  "flashinfer_page1_q5_h64", "flashmla_s140_h126_fp8", "flashmla_s4096_h16_q2_fp8_ds_mla",
                  "q4_longer_than_sequence", "sglang_sparse_topk128_bf16", "sparse_repeated_slot",
-                 "vllm_cpu_page16_varlen", "vllm_flashmla_randn_q_fp8_q2", "vllm_triton_l1025_page16_h32", "vllm_triton_l1027_page1_h32"},
+                 "vllm_cpu_page16_varlen", "vllm_flashmla_randn_q_fp8_q2", "vllm_triton_l1025_page16_h32",
+                 "vllm_triton_l1027_page1_h32"},
     "triton": set(),
 }
 SM90_REFUSALS["flashinfer_fa3"] = SM90_REFUSALS["flashinfer_fa2"]
@@ -115,6 +116,36 @@ def test_what_each_hopper_backend_refuses_of_the_grid(backend_name):
         if backend.supports(problem, (9, 0)) is not None:
             refused.add(name)
     assert refused == SM90_REFUSALS[backend_name]
+
+
+# And of the edge rows (name-format): FlashInfer takes no fp8_ds_mla cache, FlashMLA's sparse kernel no bf16
+# cache; B = 0 reaches no backend (an empty call is answered before selection), so refusing it costs nothing.
+_FLASHINFER_EDGE_REFUSALS = {"all_lengths_0-fp8_ds_mla", "all_lengths_0_no_pages-fp8_ds_mla", "batch_0-bf16",
+                             "batch_0-fp8_ds_mla", "batch_0-fp8_e4m3", "q4_short_lengths-fp8_ds_mla",
+                             "some_lengths_0-fp8_ds_mla", "sparse_all_padding-fp8_ds_mla",
+                             "sparse_some_rows_empty-fp8_ds_mla", "sparse_topk_0-fp8_ds_mla",
+                             "table_width_0-fp8_ds_mla"}
+SM90_EDGE_REFUSALS = {
+    "flashinfer_fa2": _FLASHINFER_EDGE_REFUSALS,
+    "flashinfer_fa3": _FLASHINFER_EDGE_REFUSALS,
+    "flashmla": {"batch_0-bf16", "batch_0-fp8_ds_mla", "batch_0-fp8_e4m3", "sparse_all_padding-bf16",
+                 "sparse_some_rows_empty-bf16", "sparse_topk_0-bf16"},
+    "triton": set(),
+}
+
+
+@pytest.mark.parametrize("backend_name", sorted(SM90_EDGE_REFUSALS))
+def test_what_each_hopper_backend_refuses_of_the_edge_rows(backend_name):
+    """The GPU edge-row tests skip what supports() refuses; this pins those refusals on CPU, so a backend that
+    starts refusing more cannot turn GPU edge rows into skips unseen."""
+    backend = get_backend(backend_name)
+    refused = set()
+    for name, fmt in EDGE_GRID:
+        x = poisoned(edge_case_inputs(name, fmt, seed=len(name)))
+        problem = dataclasses.replace(check_decode_args(*x.args()), fp8_query=fmt == "fp8_e4m3", device_type="cuda")
+        if backend.supports(problem, (9, 0)) is not None:
+            refused.add(f"{name}-{fmt}")
+    assert refused == SM90_EDGE_REFUSALS[backend_name]
 
 
 def _gpu_case(backend_name, name):
