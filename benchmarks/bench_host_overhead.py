@@ -56,7 +56,6 @@ import argparse
 import contextlib
 import cProfile
 import gc
-import io
 import pstats
 import statistics
 import sys

@@ -44,6 +44,8 @@ __all__ = [
     "cache_format",
     "forget_plans",
     "fp8_scale_for",
+    "merge_attn_states",
+    "merge_attn_states_n",
     "pack_fp8_ds_mla",
     "paged_decode",
     "paged_decode_reference",

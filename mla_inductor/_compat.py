@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import sys
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ def version_tuple(text: str, parts: int = 3) -> tuple[int, ...]:
     The one version parser of the package (library and CUDA version gates)."""
     pieces = (text.split("+")[0].split(".") + ["0"] * parts)[:parts]
     return tuple(int("".join(itertools.takewhile(str.isdigit, p)) or 0) for p in pieces)
+
 
 def environment_reader(name: str) -> Callable[[], Optional[str]]:
     """A function returning ``os.environ.get(name)``, for settings read on every op call. It looks the name up

@@ -65,6 +65,7 @@ class _FlashInferSM90Reader:
         self.layouts.append(kv_layout)
         kv_len, num_kv_heads = k.size(0), k.size(1)
         assert num_kv_heads >= 1 and q.size(1) % num_kv_heads == 0, "zero group size: FA3 would divide by zero"
+        assert v.size(0) == kv_len and q.size(0) == kv_len, "a causal prompt: as many keys as queries"
         out = attention_reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                   sm_scale, causal)
         return out[0].to(q.dtype)
