@@ -63,7 +63,8 @@ from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from report import add_out_argument, environment, environment_line, markdown_table, progress, write_results
+from report import (add_out_argument, environment, environment_line, markdown_table, progress, step_profile,
+                    write_results)
 
 from bench_e2e import REAL_V3_ATTENTION, SMALL_ATTENTION, YARN  # one DeepSeek-V3 shape for both
 from mla_inductor.cache import token_width
@@ -174,6 +175,9 @@ def bench_generate_mla(model, cache, args, device) -> Row:
     new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
     row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
     row.extra["host_us_per_step"] = host_time_per_step(run, args.steps, device)
+    if args.trace:  # last: a profiler session slows the process's later CUDA calls
+        row.extra["trace"] = step_profile(lambda: run(8), device.type, steps=1, rows=30)
+        progress(f"--- torch.profiler, one generate() of 8 new tokens\n{row.extra['trace']}")
     return row
 
 
@@ -463,9 +467,15 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-repeats", type=int, default=10, help="timed forwards of each prefill row (median)")
     p.add_argument("--rows", nargs="+", default=["prefill", "generate-mla", "loop-mla", "generate-hf"],
                    help="which rows to run (prefill = both prefill rows)")
+    p.add_argument("--trace", action="store_true",
+                   help="after timing generate-mla, print torch.profiler's table of one generate() of 8 tokens "
+                        "(device->host syncs show as cudaStreamSynchronize / cudaMemcpyAsync); with --rows "
+                        "generate-mla only, since a profiler session slows what runs after it")
     p.add_argument("--small", action="store_true", help="tiny model and context: a smoke run (CPU allowed)")
     add_out_argument(p)
     args = p.parse_args(argv)
+    if args.trace and args.rows != ["generate-mla"]:
+        p.error("--trace runs with --rows generate-mla only (a profiler session slows the rows after it)")
     device = torch.device(args.device)
     if args.small:
         args.layers, args.intermediate, args.vocab = 2, 64, 256

@@ -61,6 +61,7 @@ from report import (
     lowered_afresh,
     mark_new_step,
     mark_static,
+    step_profile,
     markdown_table,
     median_ms,
     parse_cases,
@@ -412,21 +413,6 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
         if per_layer:
             for layer in layers:
                 del layer.forward  # back to the class's forward
-
-
-def step_profile(run: Callable[[], object], device: str, steps: int = 3, rows: int = 25) -> str:
-    """torch.profiler's table of ``steps`` steps (host and device time per op, by host time): where a mode's
-    extra milliseconds go (a host plan, a copy, a sync, launches between graphs)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.no_grad(), torch_profile(activities=activities) as prof:
-        for _ in range(steps):
-            run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
 
 
 # ----------------------------------------------------------------------------- report

@@ -128,3 +128,19 @@ def decode_calls(scale: float):
                                            seq_lens, scale, kv_scale) for i, q in enumerate(qs)]
 
     return step
+
+
+def step_profile(run, device: str, steps: int = 3, rows: int = 25) -> str:
+    """torch.profiler's table of ``steps`` calls of ``run`` (host and device time per op, by host time): where a
+    step's milliseconds go (a host plan, a copy, a device->host sync such as cudaStreamSynchronize, launches
+    between graphs). The profiler's session slows later CUDA calls of the process: run it after all timings."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.no_grad(), torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)

@@ -745,3 +745,18 @@ def test_bench_generate_runs_as_a_cpu_smoke_test(tmp_path):
     assert all(row["error"] is None and row["ms"] is not None for row in rows.values()), rows  # CPU times mean nothing
     assert rows["prefill-mla"]["kernel"] == "sdpa", rows["prefill-mla"]  # the prompt kernel that ran (CPU: sdpa)
     assert set(data["ratios"]) == set(data["targets"]) and (tmp_path / "bench_generate.md").is_file()
+
+
+def test_bench_generate_trace_profiles_the_generate_row_only(tmp_path):
+    """--trace adds torch.profiler's table to the generate-mla row; with other rows it is refused (a profiler
+    session would slow them)."""
+    import json
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_generate.py"
+    base = [sys.executable, str(script), "--small", "--device", "cpu", "--trace", "--out", str(tmp_path)]
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--rows generate-mla only" in refused.stderr, refused.stderr[-2000:]
+    result = subprocess.run(base + ["--rows", "generate-mla"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_generate.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["generate-mla"] and "Self CPU time total" in rows[0]["extra"]["trace"]
