@@ -62,9 +62,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from report import (add_out_argument, environment, environment_line, markdown_table, progress, step_profile,
-                    write_results)
+from report import (add_out_argument, environment, environment_line, markdown_table, progress, prompt_kernel_log,
+                    step_profile, write_results)
 
 from bench_e2e import REAL_V3_ATTENTION, SMALL_ATTENTION, YARN  # one DeepSeek-V3 shape for both
 from mla_inductor.cache import token_width
@@ -345,27 +344,10 @@ def bench_prefill(model, args, device) -> list[Row]:
         row.tokens_per_s = args.prefill_batch * args.prefill_len / (row.ms / 1e3)
     rows["prefill-hf"].kernel = "HF sdpa on expanded K/V"
     model.set_attn_implementation(implementation["prefill-mla"])
-    with torch.no_grad(), PromptKernels() as ran:
+    with torch.no_grad(), prompt_kernel_log() as ran:
         forward("prefill-mla")
     rows["prefill-mla"].kernel = ", ".join(sorted(set(ran.kernels))) or "HF sdpa with the padding mask"
     return list(rows.values())
-
-
-class PromptKernels(TorchDispatchMode):
-    """The prompt kernel of each ``mla.prefill_attention`` call (``prefill.prefill_kernel`` on its arguments,
-    after it ran: a FlashInfer kernel whose first call failed reads as sdpa)."""
-
-    def __init__(self):
-        super().__init__()
-        self.kernels: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.mla.prefill_attention.default:
-            from mla_inductor.prefill import prefill_kernel
-
-            self.kernels.append(prefill_kernel(*args[:3]))
-        return out
 
 
 # ---------------------------------------------------------------------------------------------------- report

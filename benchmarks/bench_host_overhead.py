@@ -41,8 +41,8 @@ process, which slows every later CUDA call: a row timed after one reads slower t
 
 ``--stub`` (any device, CPU included) also times our real backends' own Python with only the library's
 kernel call replaced by a no-op: FlashInfer's wrapper backend (``flashinfer_fa3``: a stand-in ``flashinfer``
-module whose wrapper records nothing and whose compiled module's ``run`` does nothing), FlashMLA (a provider
-whose metadata and kernel return preallocated tensors) and Triton (``KernelLaunch`` launching nothing),
+module whose wrapper keeps only its planned sizes and whose compiled module's ``run`` does nothing), FlashMLA
+(a provider whose metadata and kernel return preallocated tensors) and Triton (``KernelLaunch`` launching nothing),
 eager and compiled, with seq_lens marked written before each step (one plan per step). What it times is
 everything of ours between ``torch.ops.mla.paged_decode`` and the library call: contract, selection, plan
 reuse, output allocation, views, the backend's run wrapper. On a GPU the stubs run on CUDA tensors (the
@@ -436,7 +436,7 @@ def _stub_flashinfer_package():
 
 
 class _StubFlashMLAOutputs:
-    """FlashMLA's outputs per query shape: ``out [B, Q, H, 512]``, ``lse [B, H, Q]``, made once."""
+    """FlashMLA's outputs per query shape (``out [B, Q, H, 512]``, ``lse [B, H, Q]``) and its schedule, made once."""
 
     def __init__(self):
         self.by_shape = {}
@@ -449,6 +449,14 @@ class _StubFlashMLAOutputs:
                                   torch.empty(B, H, Q, dtype=torch.float32, device=q.device))
         return self.by_shape[key]
 
+    def metadata(self, q):
+        """The schedule FlashMLA's metadata call returns (contents unread by the stubbed kernel), made once."""
+        key = ("metadata", q.shape[0], q.device)
+        if key not in self.by_shape:
+            self.by_shape[key] = (torch.zeros(8, 8, dtype=torch.int32, device=q.device),
+                                  torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device))
+        return self.by_shape[key]
+
 
 def _stub_flashmla_providers():
     from mla_inductor.backends import flashmla
@@ -459,8 +467,7 @@ def _stub_flashmla_providers():
         modes = frozenset(flashmla.MODES)
 
         def metadata(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices):
-            return (torch.zeros(8, 8, dtype=torch.int32, device=q.device),
-                    torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device))
+            return outputs.metadata(q)
 
         def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
                        q_descale, k_descale):

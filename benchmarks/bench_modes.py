@@ -35,9 +35,9 @@ Timing: ``triton.testing.do_bench`` median (parts a-c): CUDA events around each 
 host sync between steps; where the host is slower than the kernels (B=1: a direct call's Python and launches take
 longer than its kernel), the events span the host's launch time, less the flush's ~0.1 ms head start per step.
 Part d: mean wall time of 20 steps after warm-up with a device sync around them. A peer's µs per call here and
-bench_host_overhead's (host wall with a sync per step) time the same ``direct_step``. Every result is checked
-against the fp32 reference (relative error printed). Peers are found by import; one not installed is reported and
-skipped.
+bench_host_overhead's (host wall with a sync per step) time the same ``direct_step``. Our op's results in parts
+a-c are checked against the fp32 reference (relative error printed); the peers' outputs and part d's steps are
+timed, not checked. Peers are found by import; one not installed is reported and skipped.
 Each part prints its rows as it goes; ``--time-limit`` (seconds, for the whole run) stops starting new rows
 once spent, and the report marks what was not run. ``--out DIR`` writes bench_modes.md and bench_modes.json.
 """

@@ -144,3 +144,27 @@ def step_profile(run, device: str, steps: int = 3, rows: int = 25) -> str:
         if device == "cuda":
             torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+
+
+def prompt_kernel_log():
+    """A dispatch mode recording, for each ``mla.prefill_attention`` call it sees, the prompt kernel that ran
+    (``prefill.prefill_kernel`` on its arguments, asked after the call: a FlashInfer kernel whose first call
+    failed reads as sdpa) in ``.kernels`` and the call's (q, k, v) in ``.args``; the op itself runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mla_inductor.prefill import prefill_kernel
+
+    class PromptKernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.kernels: list[str] = []
+            self.args: list[tuple] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.mla.prefill_attention.default:
+                self.kernels.append(prefill_kernel(*args[:3]))
+                self.args.append(tuple(args[:3]))
+            return out
+
+    return PromptKernels()

@@ -141,6 +141,8 @@ def test_both_scripts_read_cases_alike(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     report = load_benchmark("report")
     assert report.parse_cases("1x128:fp8_e4m3,32x16") == [(1, 128, "fp8_e4m3"), (32, 16, "bf16")]
+    for script in ("bench_modes", "bench_host_overhead"):
+        assert load_benchmark(script).parse_cases is report.parse_cases, script
 
 
 @pytest.mark.parametrize("mode", ["whole", "per_layer"])
