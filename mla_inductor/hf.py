@@ -25,6 +25,7 @@ that needs it); ``import mla_inductor.hf`` alone imports nothing from it.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -108,11 +109,12 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
     if isinstance(cache, torch.Tensor):
         raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache; the slot mapping is now "
                         "computed on the device from the cache's lengths (the old slot_mapping argument is gone)")
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and "torch._inductor.cudagraph_trees" in sys.modules:
         # A new step: CUDA graphs of separately compiled layers (regional compilation, mode="reduce-overhead")
         # may now reuse the previous step's output memory. Without the mark their next replay fails ("accessing
         # tensor output of CUDAGraphs that has been overwritten"). Compiled whole, this function is traced and
-        # its one graph needs no mark.
+        # its one graph needs no mark. Without CUDA-graph trees loaded there is nothing to mark (and the mark
+        # would import Inductor for an eager user).
         torch.compiler.cudagraph_mark_step_begin()
     positions = cache.seq_lens[:, None].long()
     out = model(input_ids=tokens[:, None], position_ids=positions, past_key_values=cache, use_cache=True,
