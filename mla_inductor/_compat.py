@@ -50,6 +50,11 @@ def environment_reader(name: str) -> Callable[[], Optional[str]]:
     return read
 
 
+def cudagraph_trees_loaded() -> bool:
+    """Whether Inductor's CUDA-graph trees are loaded (some compile used them), read without importing them."""
+    return "torch._inductor.cudagraph_trees" in sys.modules
+
+
 def stream_capture_query() -> Callable[[], bool]:
     """``torch.cuda.is_current_stream_capturing`` without its Python wrapper (asked on every FlashInfer / FlashMLA
     call; callers ask only for CUDA tensors): ``torch._C._cuda_isCurrentStreamCapturing`` where this torch is

@@ -25,13 +25,13 @@ that needs it); ``import mla_inductor.hf`` alone imports nothing from it.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
+from mla_inductor._compat import cudagraph_trees_loaded
 from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
     if isinstance(cache, torch.Tensor):
         raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache; the slot mapping is now "
                         "computed on the device from the cache's lengths (the old slot_mapping argument is gone)")
-    if not torch.compiler.is_compiling() and "torch._inductor.cudagraph_trees" in sys.modules:
+    if not torch.compiler.is_compiling() and cudagraph_trees_loaded():
         # A new step: CUDA graphs of separately compiled layers (regional compilation, mode="reduce-overhead")
         # may now reuse the previous step's output memory. Without the mark their next replay fails ("accessing
         # tensor output of CUDAGraphs that has been overwritten"). Compiled whole, this function is traced and
