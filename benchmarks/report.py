@@ -130,20 +130,55 @@ def decode_calls(scale: float):
     return step
 
 
-def step_profile(run, device: str, steps: int = 3, rows: int = 25) -> str:
+# The host-side events a step should not have (a wait for the device, a copy) whose callers step_profile lists.
+WAITS_AND_COPIES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "aten::_to_copy")
+
+
+def step_profile(run, device: str, steps: int = 3, rows: int = 25, callers: tuple[str, ...] = WAITS_AND_COPIES) -> str:
     """torch.profiler's table of ``steps`` calls of ``run`` (host and device time per op, by host time): where a
     step's milliseconds go (a host plan, a copy, a device->host sync such as cudaStreamSynchronize, launches
-    between graphs). The profiler's session slows later CUDA calls of the process: run it after all timings."""
+    between graphs), then who called each event named in ``callers`` (``event_callers``). The profiler's session
+    slows later CUDA calls of the process: run it after all timings."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.no_grad(), torch_profile(activities=activities) as prof:
+    with torch.no_grad(), torch_profile(activities=activities, with_stack=bool(callers)) as prof:
         for _ in range(steps):
             run()
         if device == "cuda":
             torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+    return table + ("\n" + event_callers(prof.events(), callers) if callers else "")
+
+
+def _is_torch_frame(frame: str) -> bool:
+    """Whether a profiler frame name ("path.py(line): function") is torch's own code."""
+    path = frame.split(".py(")[0].replace("\\", "/")
+    return path.rsplit("site-packages/", 1)[-1].startswith("torch/")
+
+
+def event_callers(events, names: tuple[str, ...], frames: int = 4) -> str:
+    """For each profiler event named in ``names``: how many there were, their host µs, and the innermost
+    ``frames`` Python frames outside torch that led to it (the profiler's parent chain), most frequent first."""
+    grouped: dict[tuple, list[float]] = {}
+    for event in events:
+        if event.name not in names:
+            continue
+        # The event's recorded stack where the profiler keeps one, else its parents (Python function events).
+        frame_names, parent = list(event.stack or []), event.cpu_parent
+        while not event.stack and parent is not None:
+            frame_names.append(parent.name)
+            parent = parent.cpu_parent
+        chain = [f[-90:] for f in frame_names if ".py(" in f and not _is_torch_frame(f)][:frames]
+        grouped.setdefault((event.name, " <- ".join(chain) or "(no Python caller recorded outside torch)"), []).append(
+            event.cpu_time_total)
+    if not grouped:
+        return f"callers: no {', '.join(names)} events"
+    lines = ["callers (count, host us in all, event <- innermost Python frames outside torch):"]
+    for (name, chain), times in sorted(grouped.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"  {len(times):4d} x {sum(times):10.1f} us  {name} <- {chain}")
+    return "\n".join(lines)
 
 
 def prompt_kernel_log():

@@ -50,9 +50,11 @@ def environment_reader(name: str) -> Callable[[], Optional[str]]:
     return read
 
 
-def cudagraph_trees_loaded() -> bool:
-    """Whether Inductor's CUDA-graph trees are loaded (some compile used them), read without importing them."""
-    return "torch._inductor.cudagraph_trees" in sys.modules
+def inductor_loaded() -> bool:
+    """Whether Inductor is loaded, read without importing it: ``torch.compile`` loads it when a function is
+    wrapped, before the first call compiles anything, so its CUDA graphs may be about to run; an eager
+    program never loads it."""
+    return "torch._inductor" in sys.modules
 
 
 def stream_capture_query() -> Callable[[], bool]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
-from mla_inductor._compat import cudagraph_trees_loaded
+from mla_inductor._compat import inductor_loaded
 from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
 
 if TYPE_CHECKING:
@@ -109,12 +109,13 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
     if isinstance(cache, torch.Tensor):
         raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache; the slot mapping is now "
                         "computed on the device from the cache's lengths (the old slot_mapping argument is gone)")
-    if not torch.compiler.is_compiling() and cudagraph_trees_loaded():
+    if not torch.compiler.is_compiling() and inductor_loaded():
         # A new step: CUDA graphs of separately compiled layers (regional compilation, mode="reduce-overhead")
         # may now reuse the previous step's output memory. Without the mark their next replay fails ("accessing
-        # tensor output of CUDAGraphs that has been overwritten"). Compiled whole, this function is traced and
-        # its one graph needs no mark. Without CUDA-graph trees loaded there is nothing to mark (and the mark
-        # would import Inductor for an eager user).
+        # tensor output of CUDAGraphs that has been overwritten"), and so does the first step, whose layers are
+        # compiled and warmed up one after another. Compiled whole, this function is traced and its one graph
+        # needs no mark. Without Inductor loaded (an eager program) nothing can be captured, and the mark
+        # would import Inductor (seconds).
         torch.compiler.cudagraph_mark_step_begin()
     positions = cache.seq_lens[:, None].long()
     out = model(input_ids=tokens[:, None], position_ids=positions, past_key_values=cache, use_cache=True,

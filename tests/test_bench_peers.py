@@ -171,3 +171,17 @@ def test_bench_modes_part_d_options_parse():
     assert bench_modes._d_configs("fp8_e4m3:1,bf16:64") == [("fp8_e4m3", 1), ("bf16", 64)]
     with pytest.raises(Exception, match="fmt:B"):
         bench_modes._d_configs("fp8_e4m3")
+
+
+def _reads_a_length_on_the_host(x):
+    return int(x.sum().item())
+
+
+def test_step_profile_names_who_waits_for_the_device():
+    """bench_modes --d-profile and bench_generate --trace list who called each device wait / copy: a step
+    reading a value on the host shows that function as the caller of the read."""
+    report = load_benchmark("report")
+    x = torch.arange(8)
+    text = report.step_profile(lambda: _reads_a_length_on_the_host(x), "cpu", steps=2)
+    line = next(l for l in text.splitlines() if "aten::_local_scalar_dense <-" in l)
+    assert "_reads_a_length_on_the_host" in line and line.split()[0] == "2", line

@@ -309,7 +309,7 @@ def test_own_decode_loop_reads_nothing_from_the_device(monkeypatch):
 def test_decode_one_token_marks_each_step_for_cuda_graphs_when_not_compiled_whole(monkeypatch):
     """Uncompiled (layers compiled one by one), every step marks a CUDA-graph step begin, so per-layer graphs
     may reuse the last step's outputs; compiled whole (fullgraph), the trace holds no mark and no graph break."""
-    import torch._inductor.cudagraph_trees  # noqa: F401 - loaded, as by any reduce-overhead compile
+    import torch._inductor  # noqa: F401 - loaded, as by torch.compile(layer, mode="reduce-overhead") before its first call
 
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
