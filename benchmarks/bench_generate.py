@@ -9,6 +9,9 @@ a ``--vocab`` vocabulary, random bf16 weights (no hub access).
 
 Decode rows: every sequence of the batch starts from ``--context`` tokens of random latents.
 
+- ``generate-mla-deferred``: the same with transformers' own ``DeferredStopCheck`` turned on for CUDA (it reads
+  the stop flag one step late, so the host never waits for the device; transformers 5.23 turns it on for mps
+  only). A measurement of what that switch is worth, not a way to run: the benchmark flips it, the library never.
 - ``generate-mla``: ``model.generate()`` with the ``"mla_inductor"`` attention and a ``PagedMLACache``
   (``--fmt``); transformers compiles the decode step itself (the cache is compileable: ``mode=
   "reduce-overhead"``, CUDA graphs) and the Inductor pass picks the kernel.
@@ -52,6 +55,7 @@ prints its error and the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import pstats
@@ -154,7 +158,38 @@ def decode_ms(run_steps, steps: int, repeats: int, device, warmup_steps: int = 4
 # ---------------------------------------------------------------------------------------------------- decode
 
 
-def bench_generate_mla(model, cache, args, device) -> Row:
+@contextlib.contextmanager
+def deferred_stop_check():
+    """transformers' ``DeferredStopCheck`` taken on any device inside the block (transformers decides by
+    ``DeferredStopCheck.is_supported``, which answers no unless the device is mps)."""
+    from transformers.generation import utils as generation_utils
+
+    check = generation_utils.DeferredStopCheck
+    supported = check.__dict__["is_supported"]
+
+    def on_any_device(device, cache, cache_is_returned, is_assistant):
+        return supported.__func__(torch.device("mps"), cache, cache_is_returned, is_assistant)
+
+    check.is_supported = staticmethod(on_any_device)
+    try:
+        yield
+    finally:
+        check.is_supported = supported
+
+
+def bench_generate_mla_deferred(model, cache, args, device) -> Row:
+    from transformers.generation import utils as generation_utils
+
+    if not hasattr(generation_utils, "DeferredStopCheck"):
+        raise RuntimeError("this transformers has no DeferredStopCheck")
+    with deferred_stop_check():
+        row = bench_generate_mla(model, cache, args, device, trace=False)
+    row.name, row.what = "generate-mla-deferred", row.what + ", transformers' DeferredStopCheck on"
+    row.extra.pop("host_us_per_step", None)
+    return row
+
+
+def bench_generate_mla(model, cache, args, device, trace: Optional[bool] = None) -> Row:
     import mla_inductor.lowering
     from mla_inductor import hf
 
@@ -174,7 +209,7 @@ def bench_generate_mla(model, cache, args, device) -> Row:
     new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
     row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
     row.extra["host_us_per_step"] = host_time_per_step(run, args.steps, device)
-    if args.trace:  # last: a profiler session slows the process's later CUDA calls
+    if args.trace if trace is None else trace:  # last: a profiler session slows the process's later CUDA calls
         row.extra["trace"] = step_profile(lambda: run(8), device.type, steps=1, rows=30)
         progress(f"--- torch.profiler, one generate() of 8 new tokens\n{row.extra['trace']}")
     return row
@@ -413,6 +448,9 @@ def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) 
         shown = f"{value:.2f}" if value is not None else "n/a"
         lines.append(f"| {key} | {shown} | >= {TARGETS[key]} |")
     by_name = {r.name: r for r in rows if r.ms and not r.error}
+    if "generate-mla-deferred" in by_name and "loop-mla" in by_name:
+        lines += ["", f"With transformers' DeferredStopCheck on (generate-mla-deferred, not a target row): "
+                  f"{by_name['loop-mla'].ms / by_name['generate-mla-deferred'].ms:.2f}x loop-mla."]
     if "generate-mla" in by_name and "loop-mla" in by_name:
         wait = by_name["generate-mla"].ms - by_name["loop-mla"].ms
         lines += ["", f"HF's loop per step (generate-mla - loop-mla): {wait:.3f} ms; the target (>= 0.8x loop-mla) "
@@ -447,7 +485,7 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill-repeats", type=int, default=10, help="timed forwards of each prefill row (median)")
-    p.add_argument("--rows", nargs="+", default=["prefill", "generate-mla", "loop-mla", "generate-hf"],
+    p.add_argument("--rows", nargs="+", default=["prefill", "generate-mla", "generate-mla-deferred", "loop-mla", "generate-hf"],
                    help="which rows to run (prefill = both prefill rows)")
     p.add_argument("--trace", action="store_true",
                    help="after timing generate-mla, print torch.profiler's table of one generate() of 8 tokens "
@@ -494,7 +532,11 @@ def main(argv=None) -> None:
             cache = hf.PagedMLACache(model, batch_size=args.batch, max_seq_len=args.context + args.steps + 8,
                                      fmt=args.fmt)
             fill_paged_mla_cache(cache, args.context)
-        for name, bench in (("generate-mla", bench_generate_mla), ("loop-mla", bench_loop_mla)):
+        for name, bench in (("generate-mla", bench_generate_mla), ("generate-mla-deferred", bench_generate_mla_deferred),
+                            ("loop-mla", bench_loop_mla)):
+            if name == "generate-mla-deferred" and name in args.rows and device.type != "cuda":
+                progress(f"[{name}] not run: transformers' DeferredStopCheck records device events (CUDA only here)")
+                continue
             if name in args.rows:
                 progress(f"[{name}] compiling and capturing the decode step, then timing")
                 row = run_row(bench, model, cache, args, device)

@@ -164,6 +164,47 @@ def test_stop_tokens_and_streamer():
     assert torch.equal(torch.stack(streamer.chunks[1:], 1), got[:, PROMPT_LEN:])
 
 
+def test_transformers_deferred_stop_check_rolls_our_cache_back(monkeypatch):
+    """transformers' DeferredStopCheck (it reads the stop flag one step late so the host never waits for the
+    device; transformers 5.23 turns it on for mps only) runs one forward too many and undoes it with
+    ``cache.crop``: forced on here, generate() on our cache gives HF eager's tokens, stop token included, and
+    leaves the cache holding exactly the tokens generated."""
+    from transformers.generation import utils as generation_utils
+
+    if not hasattr(generation_utils, "DeferredStopCheck"):
+        pytest.skip(f"transformers {transformers.__version__} has no DeferredStopCheck")
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=3)
+    free = hf_generate(model, ids, mask, 16)[:, PROMPT_LEN:]
+    model.generation_config.eos_token_id = int(free[0, 4])
+    want = hf_generate(model, ids, mask, 16)
+    deferred = []
+    supported = generation_utils.DeferredStopCheck.is_supported
+
+    def on_any_device(device, cache, cache_is_returned, is_assistant):
+        deferred.append(supported(torch.device("mps"), cache, cache_is_returned, is_assistant))
+        return deferred[-1]
+
+    class HostEvent:  # CPU work is done when queued: the CUDA event's record / synchronize have nothing to wait for
+        def __init__(self, device=None, blocking=False):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(generation_utils.DeferredStopCheck, "is_supported", staticmethod(on_any_device))
+    monkeypatch.setattr(torch, "Event", HostEvent)
+    cache = use_mla(model, batch=4)
+    got = hf_generate(model, ids, mask, 16, past_key_values=cache)
+    assert deferred == [True], "transformers did not take the deferred stop check with our cache"
+    assert torch.equal(got, want), f"ours\n{got[:, PROMPT_LEN:]}\nHF eager\n{want[:, PROMPT_LEN:]}"
+    # Every row holds its real prompt tokens and every token fed back (the one-step-late forward undone).
+    assert cache.seq_lens.tolist() == (mask.sum(-1) + got.shape[1] - PROMPT_LEN - 1).tolist()
+
+
 def test_chunked_prefill_and_continuation_attend_to_the_cache():
     """HF's chunked prefill: the first chunk runs sdpa on the empty cache, every later chunk (pads included
     for the long-padded rows) runs mla.paged_decode with Q = chunk on top of what is cached. A second
