@@ -242,7 +242,6 @@ def compile_report(model, before: dict[str, int]) -> dict:
 # cumulative time among them (nested ones), "own": its own time without the functions it calls (for
 # compile_wrapper: Dynamo's guard checks, which run in C).
 STEP_PARTS = (
-    ("the whole step (generate's first forward shared out)", "generation/utils.py", "_sample", "total"),
     ("prepare_inputs_for_generation (HF)", "generation/utils.py", "prepare_inputs_for_generation", "total"),
     ("- its create_masks_for_generate (HF)", "masking_utils.py", "create_masks_for_generate", "total"),
     ("- - our mask function", "mla_inductor/_hf.py", "mla_attention_mask", "total"),
