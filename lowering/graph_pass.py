@@ -346,23 +346,29 @@ def _joined_query(q_nope, q_pe) -> Optional[torch.fx.Node]:
     quantizing it instead of their concatenation leaves the producer's q one reader, so Inductor fuses the
     producer into the quantization instead of also storing the bf16 q (vLLM passes q this way)."""
     def last_dim_slice(n):
-        if not (isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.slice.Tensor and len(n.args) >= 4):
+        """(base, its fake value, start, end) of ``base[..., start:end]``, with the schema's defaults (start
+        None = 0, end None or past the end = the width) made ints; None for any other node."""
+        if not (isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.slice.Tensor and n.args):
             return None
-        base, dim, start, end = n.args[:4]
-        step = n.args[4] if len(n.args) > 4 else 1
+        base, dim, start, end, step = (*n.args, *(0, None, None, 1)[len(n.args) - 1:])[:5]
         val = base.meta.get("val") if isinstance(base, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor) or step != 1 or dim not in (-1, val.dim() - 1):
             return None
-        return base, val, start, end
+        width = val.shape[-1]
+        start, end = 0 if start is None else start, width if end is None else end
+        if not all(isinstance(x, int) for x in (start, end, width)):
+            return None
+        start, end = (x + width if x < 0 else x for x in (start, end))  # q[..., -R:] counts from the end
+        return base, val, start, min(end, width)
 
     a, b = last_dim_slice(q_nope), last_dim_slice(q_pe)
     if a is None or b is None or a[0] is not b[0]:
         return None
     base, val, start_a, end_a = a
     L, width = _fake(q_nope).shape[-1], val.shape[-1]
-    if not (isinstance(L, int) and isinstance(width, int)):
+    if not isinstance(L, int):
         return None
-    if start_a != 0 or end_a != L or b[2] != L or b[3] < width or width != L + _fake(q_pe).shape[-1]:
+    if start_a != 0 or end_a != L or b[2] != L or b[3] != width or width != L + _fake(q_pe).shape[-1]:
         return None
     return base
 

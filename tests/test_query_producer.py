@@ -229,3 +229,33 @@ def test_every_dense_peer_names_a_query_layout_the_writers_know(monkeypatch):
     dense = set(peers.PEERS) | set(peers.DENSE_DS_PEERS)
     assert dense <= set(peers.QUERY_ENTRIES), dense - set(peers.QUERY_ENTRIES)
     assert set(peers.QUERY_ENTRIES.values()) <= set(qp.WRITERS)
+
+
+@pytest.mark.parametrize("halves", [
+    ((-1, 0, 8), (-1, 8, 10)),                 # q[..., 0:8], q[..., 8:10]
+    ((-1, None, 8), (-1, 8, None)),            # q[..., :8], q[..., 8:] as traced with the schema's None ends
+    ((-1, 0, 8), (-1, 8, 2 ** 63 - 1)),        # the end Dynamo writes for "to the end"
+    ((2, 0, 8), (-1, -2, None)),               # the last dim by its number, the rope half from the end
+    ((-1,), (-1, 8, 10)),                      # q[..., :] is not a half: not joined
+    ((-1, 0, 7), (-1, 8, 10)),                 # a gap: not joined
+], ids=["ints", "none-ends", "maxsize-end", "dim-number-negative-start", "whole", "gap"])
+def test_joined_query_reads_every_way_a_slice_is_written(halves):
+    """The pass quantizes q whole where q_nope / q_pe are its two halves; a slice written with the schema's
+    defaults (None ends, the max-int end, a negative start) is read, never a TypeError."""
+    from mla_inductor.lowering.graph_pass import _joined_query
+
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    q.meta["val"] = torch.empty(2, 4, 10, device="meta")
+    nodes = []
+    for args in halves:
+        node = graph.call_function(torch.ops.aten.slice.Tensor, (q, *args))
+        full = dict(zip(("dim", "start", "end"), args))
+        start, end = full.get("start") or 0, full.get("end")
+        end = 10 if end is None or end > 10 else end
+        start = start + 10 if start < 0 else start
+        node.meta["val"] = torch.empty(2, 4, max(end - start, 0), device="meta")
+        nodes.append(node)
+    joined = _joined_query(*nodes)
+    expect = halves[0] != (-1,) and halves[0][-1] == 8
+    assert (joined is q) == expect, (halves, joined)
