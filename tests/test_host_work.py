@@ -115,6 +115,20 @@ def test_small_kernel_launches_are_kept_per_dtype(as_if_on_cuda, monkeypatch):
     assert len(launch_module._CACHED) == 2
 
 
+def test_small_kernel_launches_are_kept_per_device(as_if_on_cuda, monkeypatch):
+    """A launch keeps one device's compiled kernel: the same kernel, grid and dtypes on a second GPU get a
+    launch of their own, so a step alternating over two GPUs relaunches directly on both."""
+    monkeypatch.setattr(launch_module, "_CACHED", {})
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: getattr(self, "gpu", -1))
+    kernel = _Kernel()
+    on_0, on_1 = torch.randn(64), torch.randn(64)
+    on_0.gpu, on_1.gpu = 0, 1
+    for t in (on_0, on_1, on_0, on_1):
+        launch_module.launch(kernel, (2,), (t,), (64,))
+    assert len(launch_module._CACHED) == 2
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "direct", "direct"]
+
+
 def test_a_kernel_launch_on_cpu_always_takes_the_jit():
     kernel = _Kernel()
     launch = KernelLaunch(kernel, (1,), (), {})

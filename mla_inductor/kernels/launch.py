@@ -99,7 +99,9 @@ def launch(kernel, grid: tuple, tensors: tuple, static_args: tuple, **options):
     and options (kept per kernel): for small kernels launched once per call with arguments that follow from
     the call's shapes (their keys are built per launch, cheaper than the JIT's binding)."""
     # The tensors' dtypes too: Triton compiles a kernel per pointer dtype, and the direct relaunch checks none.
-    key = (id(kernel), grid, static_args, tuple(options.items()), tuple(t.dtype for t in tensors))
+    # Their device: a launch keeps the compiled kernel of one device (a step alternating over two GPUs keeps two).
+    key = (id(kernel), grid, static_args, tuple(options.items()), tuple(t.dtype for t in tensors),
+           tensors[0].get_device())
     prepared = _CACHED.get(key)
     if prepared is None:
         if len(_CACHED) >= _MAX_CACHED:
