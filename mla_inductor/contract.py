@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from mla_inductor._compat import assert_on_device, check_value, environment_reader
+from mla_inductor._compat import assert_on_device, check_value, environment_reader, stream_capture_query
 from mla_inductor.cache import (
     FP8_DS_MLA_LATENT,
     FP8_DS_MLA_ROPE,
@@ -294,7 +294,10 @@ def _check_scale_value(op: str, name: str, scale: Tensor) -> None:
 def checks_on_device(t: Tensor) -> bool:
     """Whether the value checks of a call on t's device must be device-side asserts: while a CUDA graph is
     captured nothing may wait for the device (compiled graphs always use them on GPUs: lowering/checks.py)."""
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return t.is_cuda and _capturing()
+
+
+_capturing = stream_capture_query()
 
 
 def assert_decode_values_on_device(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,
