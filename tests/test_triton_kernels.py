@@ -258,6 +258,25 @@ def test_sparse(kind):
     check(c, sparse_indices=idx, config=cfg(ns=1), tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
 
 
+def _column_strided(t):
+    """The same values as ``t`` [rows, cols] in a column-major buffer (stride(1) != 1): the launch copies it."""
+    strided = torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).t()
+    strided.copy_(t)
+    assert strided.stride(1) != 1 and torch.equal(strided, t)
+    return strided
+
+
+@cpu_only
+def test_column_strided_block_table_and_sparse_indices():
+    """A block table / sparse index tensor whose rows are not contiguous is copied for the launch, and the
+    kernel is told the copy's row stride."""
+    c = make_case(B=3, Q=1, H=16, L=512, R=64, page=16, seq_lens=[50, 64, 9], seed=21)
+    c["block_table"] = _column_strided(c["block_table"])
+    check(c, config=cfg(ns=2))
+    idx = _column_strided(_sparse_indices(c, topk=40, seed=22, pad_rows=(1,)))
+    check(c, sparse_indices=idx, config=cfg(ns=1))
+
+
 @cpu_only
 def test_fresh_inputs_same_function():
     # Two independent draws through one launch config: guards against anything cached between calls.

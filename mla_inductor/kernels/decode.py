@@ -569,7 +569,8 @@ class DecodeLaunch:
             self.indices_copy = sparse_indices.stride(1) != 1
             topk = sparse_indices.shape[1]
             kv_len_hint, q_per_seq, stride_bt = topk, 1, 0
-            stride_sp = sparse_indices.contiguous().stride(0) if self.indices_copy else sparse_indices.stride(0)
+            # The stride of the contiguous copy the launch makes (torch strides a 0-wide row by 1): no copy here.
+            stride_sp = max(topk, 1) if self.indices_copy else sparse_indices.stride(0)
             self.nothing_attended = topk == 0
             if self.nothing_attended:
                 return
@@ -585,7 +586,7 @@ class DecodeLaunch:
                 raise ValueError(f"q_nope: T={T} must be a multiple of the batch size B={B}")
             q_per_seq, topk = T // B, 0
             self.table_copy = block_table.stride(1) != 1
-            stride_bt = block_table.contiguous().stride(0) if self.table_copy else block_table.stride(0)
+            stride_bt = max(block_table.shape[1], 1) if self.table_copy else block_table.stride(0)
             stride_sp = stride_bt  # the dense kernel is handed the block table as its (unread) index tensor
             # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
             kv_len_hint = max(1, block_table.shape[1] * page_size)
