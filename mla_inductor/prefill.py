@@ -101,9 +101,10 @@ def _module_key(kernel: str, q: Tensor, v: Tensor) -> tuple:
 
 class FlashInferBuilds:
     """FlashInfer builds each prefill kernel on its first use (JIT, minutes on a machine without its prebuilt
-    cache; impossible without a CUDA compiler). A kernel whose first call fails is not called again: its
-    calls go to sdpa, with one warning naming the error. A kernel that has run once is never disabled (a
-    later failure is a real error and propagates)."""
+    cache; impossible without a CUDA compiler). A kernel whose first call fails because it cannot run here
+    (``kernel_unusable``) is not called again: its calls go to sdpa, with one warning naming the error. Out
+    of memory or a CUDA error propagates, and a kernel that has run once is never disabled (a later failure
+    is a real error and propagates)."""
 
     def __init__(self):
         self.ran: set[tuple] = set()
@@ -118,6 +119,8 @@ class FlashInferBuilds:
         try:
             out = kernel()
         except Exception as e:  # noqa: BLE001 - whatever the build or load raised: see the class docstring
+            if not kernel_unusable(e):
+                raise
             self.errors[key] = f"{type(e).__name__}: {e}"
             warnings.warn(f"mla.prefill_attention: FlashInfer's prefill kernel {key} failed on its first call "
                           f"({self.errors[key]}); its calls run torch's sdpa instead", RuntimeWarning, stacklevel=3)
@@ -127,6 +130,15 @@ class FlashInferBuilds:
 
 
 FLASHINFER_BUILDS = FlashInferBuilds()
+
+
+def kernel_unusable(error: Exception) -> bool:
+    """Whether a kernel's first call failed because the kernel cannot run here (its JIT build or load failed,
+    the library refused the configuration) rather than because this call did: out of memory, or a CUDA error
+    (the device is then in error for sdpa too). Only the first kind switches the kernel off."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return False
+    return "CUDA error" not in str(error)
 
 
 def _aligned(t: Tensor) -> bool:
@@ -149,7 +161,7 @@ def flashinfer_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
             return f"{name} is not 16-byte aligned (strides {t.stride()})"
     if max(t.stride(i) for t in (q, k, v) for i in range(3)) >= 2**31:
         return "a stride does not fit FlashInfer's 32-bit strides"
-    from mla_inductor.backends._flashinfer_common import flashinfer_unavailable_reason
+    from mla_inductor.backends import flashinfer_unavailable_reason
 
     return flashinfer_unavailable_reason()
 
@@ -172,9 +184,9 @@ def flashinfer_prefill(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, ca
     """FlashInfer's single-request prefill, one call per sequence: q[b] as [Q, H, Dqk], k[b] / v[b] as
     [S, Hkv, D] (NHD, transposed views: FlashInfer reads the strides); its output [Q, H, Dv] is already
     token-major."""
-    from mla_inductor.backends._flashinfer_common import flashinfer_module
+    import flashinfer
 
-    run = flashinfer_module().single_prefill_with_kv_cache
+    run = flashinfer.single_prefill_with_kv_cache
     # NHD views, not kv_layout="HND": FlashInfer's SM90 (FA3) single prefill reads kv_len and num_kv_heads as
     # k.size(0) / k.size(1) whatever the layout (0.6.18), so an HND k gives a wrong kv_len and a zero group
     # size (a division by zero on the host). Its FA2 path reads both layouts; NHD suits both.

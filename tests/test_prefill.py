@@ -6,6 +6,7 @@ own sdpa + DynamicCache forward, per layer and per forward, so that an extra cop
 """
 
 import re
+import sys
 from collections import Counter
 
 import pytest
@@ -79,10 +80,8 @@ class _FlashInferSM90Reader:
 def test_flashinfer_call_gives_token_major_kv_as_sm90_reads_it(monkeypatch, dims):
     """The FlashInfer call hands k / v as [S, Hkv, D] (NHD) views, the layout FlashInfer's SM90 kernel reads
     whatever its kv_layout argument says; the result equals the reference."""
-    from mla_inductor.backends import _flashinfer_common
-
     fake = _FlashInferSM90Reader()
-    monkeypatch.setattr(_flashinfer_common, "flashinfer_module", lambda: fake)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
     q, k, v = hf_like_inputs(2, 33, **dims, seed=5)
     out = prefill.flashinfer_prefill(q, k, v, 0.3, True, "fa3")
     assert fake.layouts == ["NHD", "NHD"]
@@ -198,12 +197,30 @@ def test_a_flashinfer_kernel_that_ran_is_never_disabled():
     assert not builds.failed("key")
 
 
+@pytest.mark.parametrize("error", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+], ids=["out-of-memory", "cuda-error"])
+def test_a_first_call_failing_for_this_call_only_propagates_and_keeps_the_kernel(error):
+    """Out of memory or a CUDA error on a kernel's first call is this call's failure, not the kernel's: it
+    propagates (no silent sdpa, which would fail the same way) and the kernel stays on for later calls."""
+    builds = prefill.FlashInferBuilds()
+
+    def fails():
+        raise error
+
+    with pytest.raises(type(error), match=re.escape(str(error)[:20])):
+        builds.run("key", fails, lambda: pytest.fail("fell back to sdpa"))
+    assert not builds.failed("key")
+    assert builds.run("key", lambda: 1, lambda: 2) == 1
+
+
 # ---------------------------------------------------------------------------------------------- the op (GPU)
 
 
 def _flashinfer_or_skip(q, k, v):
     """Skips only where FlashInfer is not installed/usable; a call FlashInfer should take and refuses fails."""
-    from mla_inductor.backends._flashinfer_common import flashinfer_unavailable_reason
+    from mla_inductor.backends import flashinfer_unavailable_reason
 
     why = flashinfer_unavailable_reason()
     if why is not None:
@@ -416,7 +433,7 @@ def test_hf_prefill_on_gpu_is_as_accurate_as_hf_sdpa():
         with prompt_kernel_log() as record:
             ours = logits(hf.PagedMLACache(model, batch_size=1, max_seq_len=600))
     assert len(record.kernels) == 2, record.kernels
-    from mla_inductor.backends._flashinfer_common import flashinfer_unavailable_reason
+    from mla_inductor.backends import flashinfer_unavailable_reason
 
     if flashinfer_unavailable_reason() is None:  # installed: every layer's prompt ran on it
         assert all(k.startswith("flashinfer") for k in record.kernels), (record.kernels, [
