@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mla_inductor._compat import argument_errors_reach_the_user
+from mla_inductor._memo import Memo
 from mla_inductor.contract import (
     OP_ARG_NAMES,
     OP_ARGS_SCHEMA,
@@ -60,8 +61,7 @@ def _define(name: str, schema: str, impl, fake):
 # can be decided once: the checks that need no data, the DecodeProblem, whether the call attends anything, and
 # the backend's bound run function. A call then costs a key, a dict lookup and the run; the checks that read
 # data (CPU always, GPUs in debug mode) still run on every call.
-_EAGER_CALLS: dict[tuple, "_EagerCall"] = {}
-_MAX_SIGNATURES = 4096
+_EAGER_CALLS: Memo = Memo()
 _ARITY = len(OP_ARG_NAMES)
 
 
@@ -94,10 +94,7 @@ def _decode(op: str, with_lse: bool, args: tuple):
         raise
     call = _EAGER_CALLS.get(key)
     if call is None:
-        call = _new_eager_call(op, args, with_lse)
-        if len(_EAGER_CALLS) >= _MAX_SIGNATURES:
-            _EAGER_CALLS.clear()
-        _EAGER_CALLS[key] = call
+        call = _EAGER_CALLS.put(key, _new_eager_call(op, args, with_lse))
     q_nope = args[0]
     if wants_value_checks(q_nope):
         q_nope, _, kv_cache, block_table, seq_lens, _, kv_scale, sparse_indices, q_scale = args

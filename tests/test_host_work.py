@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mla_inductor
+from mla_inductor._memo import Memo
 from mla_inductor.kernels import decode as decode_kernels
 from mla_inductor.kernels import launch as launch_module
 from mla_inductor.kernels.launch import KernelLaunch
@@ -106,7 +107,7 @@ def test_a_kernel_launch_first_made_unaligned_never_relaunches(as_if_on_cuda):
 def test_small_kernel_launches_are_kept_per_dtype(as_if_on_cuda, monkeypatch):
     """Triton compiles a kernel per pointer dtype and the direct relaunch checks none: tensors of another
     dtype with the same grid and scalars get a launch of their own."""
-    monkeypatch.setattr(launch_module, "_CACHED", {})
+    monkeypatch.setattr(launch_module, "_CACHED", Memo())
     kernel = _Kernel()
     bf16, fp16 = torch.randn(64).bfloat16(), torch.randn(64).half()
     for t in (bf16, fp16, bf16, fp16):
@@ -118,7 +119,7 @@ def test_small_kernel_launches_are_kept_per_dtype(as_if_on_cuda, monkeypatch):
 def test_small_kernel_launches_are_kept_per_device(as_if_on_cuda, monkeypatch):
     """A launch keeps one device's compiled kernel: the same kernel, grid and dtypes on a second GPU get a
     launch of their own, so a step alternating over two GPUs relaunches directly on both."""
-    monkeypatch.setattr(launch_module, "_CACHED", {})
+    monkeypatch.setattr(launch_module, "_CACHED", Memo())
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: getattr(self, "gpu", -1))
     kernel = _Kernel()
     on_0, on_1 = torch.randn(64), torch.randn(64)
@@ -169,8 +170,8 @@ def test_triton_eager_calls_prepare_once_per_signature_and_launch_decode_and_mer
     import mla_inductor.ops as ops
     from mla_inductor.backends import triton as triton_backend
 
-    monkeypatch.setattr(ops, "_EAGER_CALLS", {})
-    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
     counted = _Counted(monkeypatch)
     x = _triton_inputs([40, 13, 66])
     want = mla_inductor.paged_decode_reference(*x.args())
@@ -196,7 +197,7 @@ def test_triton_eager_calls_prepare_once_per_signature_and_launch_decode_and_mer
 def test_the_compiled_graphs_triton_op_prepares_once_per_signature(monkeypatch):
     from mla_inductor.backends import triton as triton_backend
 
-    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
     counted = _Counted(monkeypatch)
     x = _triton_inputs([40, 13, 66], seed=2)
     want = mla_inductor.paged_decode_reference(*x.args())[0]
@@ -213,7 +214,7 @@ def test_a_prepared_triton_decode_still_reads_new_contents(monkeypatch):
     same shape give that call's result (nothing about the data is cached)."""
     from mla_inductor.backends import triton as triton_backend
 
-    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
     a, b = _triton_inputs([40, 13, 66], seed=3), _triton_inputs([40, 13, 66], seed=4)
     args_b = list(b.args())
     args_b[3], args_b[4] = a.block_table.clone(), torch.tensor([33, 16, 60], dtype=torch.int32, device=TRITON_DEVICE)
@@ -232,7 +233,7 @@ def test_gpu_triton_decode_relaunches_the_compiled_kernels_and_stays_correct(mon
     whose pointer is not 16-byte aligned takes the JIT path (its own specialization) and is right too."""
     from mla_inductor.backends import triton as triton_backend
 
-    monkeypatch.setattr(triton_backend, "_LAUNCHES", {})
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
     x = make_decode_inputs(seq_lens=[4096], num_heads=128, page_size=64, device="cuda", seed=5)
     args = x.args()
     want = mla_inductor.paged_decode_reference(*args)[0]
@@ -406,3 +407,14 @@ def test_a_stored_plan_is_reused_only_while_its_tensors_are_unchanged():
     assert plans.get("cfg", table, lens, None) is None
     sparse.fill_(1)
     assert plans.get("cfg", table, lens, sparse) is None
+
+
+def test_a_memo_starts_over_at_its_bound():
+    """What the runtime works out per signature is kept in a Memo: hits are plain dict lookups, and a program
+    making new signatures without end (a changing softmax_scale) empties it instead of growing it."""
+    memo = Memo(limit=3)
+    for i in range(3):
+        assert memo.put(("sig", i), i) == i
+    assert memo.get(("sig", 1)) == 1 and len(memo) == 3
+    memo.put(("sig", 3), 3)
+    assert dict(memo) == {("sig", 3): 3}

@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.testing import FileCheck
 
 import mla_inductor
+from mla_inductor._memo import Memo
 from mla_inductor.backends import flashmla, get_backend, registered_backends
 from mla_inductor.selection import CallContext, select_backend
 from mla_inductor.testing import make_decode_inputs, relative_error
@@ -321,7 +322,7 @@ def test_an_eager_call_validates_and_selects_once_per_signature(monkeypatch):
 
     monkeypatch.setattr(ops, "check_decode_args", counted("check", ops.check_decode_args))
     monkeypatch.setattr(selection, "select_backend", counted("select", selection.select_backend))
-    monkeypatch.setattr(ops, "_EAGER_CALLS", {})
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
     x = make_decode_inputs(seq_lens=[5, 17, 9], **{k: v for k, v in SMALL.items()})
     want = mla_inductor.paged_decode_reference(*x.args())[0]
     for _ in range(3):

@@ -44,12 +44,12 @@ graph would share one wrapper (a known limit, see ``_WrapperKey``).
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import NamedTuple, Optional
 
 import torch
 
 from mla_inductor._compat import stream_capture_query, version_tuple
+from mla_inductor._memo import Memo
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
@@ -117,9 +117,6 @@ def workspace(device: torch.device, *, zeroed: bool = False) -> Tensor:
 
 # ----------------------------------------------------------------------------- the wrapper backend
 
-_wrapper_ids = itertools.count(1)
-
-
 class _WrapperKey(NamedTuple):
     """One cached ``BatchMLAPagedAttentionWrapper`` per static configuration. The plan op and the run
     op compute the same key from their (fake or real) arguments, which is how a run finds its plan
@@ -156,7 +153,6 @@ class _PlannedWrapper:
         self.wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
             workspace(device), use_cuda_graph=True, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr,
             kv_indices=self.kv_indices, kv_len_arr=self.kv_lens, backend=key.fi_backend)
-        self.id = next(_wrapper_ids)
         self.key = key
         # What each run reads of the configuration, computed once: output shapes, the cache's split, fp8.
         rows = key.requests * key.qo_len
@@ -295,10 +291,14 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     host, which only the device knows: one device->host copy per plan.
     """
     key = key or _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+    return [planned_counts(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)]
+
+
+def planned_counts(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
+    """The row counts of the plan ``PLANS`` holds for ``key`` from these tensors as they are now, planning
+    (and storing) first where it holds none."""
     counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
-    if counts is not None:
-        return [counts]
-    return [make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)]
+    return counts if counts is not None else make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
 
 
 def make_plan(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
@@ -339,7 +339,7 @@ def make_plan(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_
 
 # The compiled graph's run op finds its wrapper's key from the call's shapes (no plan handle crosses the graph):
 # per distinct shapes, the key is computed once (a flat tuple of what ``_wrapper_key`` reads, then a dict lookup).
-_KEYS_BY_SHAPES: dict[tuple, _WrapperKey] = {}
+_KEYS_BY_SHAPES: Memo = Memo()
 _capturing = stream_capture_query()
 
 
@@ -348,10 +348,8 @@ def _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, spa
               block_table.shape, None if sparse_indices is None else sparse_indices.shape, softmax_scale)
     key = _KEYS_BY_SHAPES.get(shapes)
     if key is None:
-        key = _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
-        if len(_KEYS_BY_SHAPES) >= 4096:
-            _KEYS_BY_SHAPES.clear()
-        _KEYS_BY_SHAPES[shapes] = key
+        key = _KEYS_BY_SHAPES.put(shapes, _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table,
+                                                       softmax_scale, sparse_indices))
     return key
 
 
@@ -494,9 +492,7 @@ class FlashInferWrapperBackend(Backend):
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-            counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
-            if counts is None:
-                counts = make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+            counts = planned_counts(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
             out, lse = run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts)
             return (out, lse) if with_lse else out
 

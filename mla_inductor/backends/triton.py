@@ -11,6 +11,7 @@ import importlib.util
 import os
 from typing import Optional
 
+from mla_inductor._memo import Memo
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import decode_op, sm
 from mla_inductor.contract import call_signature
@@ -26,8 +27,7 @@ def _interpreting() -> bool:
 
 # The prepared launches (kernels/decode.py ``DecodeLaunch``) per call signature: checks, launch configuration and
 # kernel arguments are worked out once, and the kernels relaunched without Triton's JIT front door.
-_LAUNCHES: dict[tuple, object] = {}
-_MAX_SIGNATURES = 4096
+_LAUNCHES: Memo = Memo()
 
 
 def prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
@@ -37,10 +37,8 @@ def prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale
     if launch is None:
         from mla_inductor.kernels.decode import DecodeLaunch
 
-        launch = DecodeLaunch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
-        if len(_LAUNCHES) >= _MAX_SIGNATURES:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = launch
+        launch = _LAUNCHES.put(key, DecodeLaunch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
+                                                 kv_scale, sparse_indices))
     return launch
 
 

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from mla_inductor._memo import Memo
+
 
 def compiled_kernel_class() -> Optional[type]:
     try:
@@ -90,8 +92,7 @@ class KernelLaunch:
             self._runner = compiled[self.grid]
 
 
-_CACHED: dict[tuple, KernelLaunch] = {}
-_MAX_CACHED = 4096
+_CACHED: Memo = Memo()
 
 
 def launch(kernel, grid: tuple, tensors: tuple, static_args: tuple, **options):
@@ -104,7 +105,5 @@ def launch(kernel, grid: tuple, tensors: tuple, static_args: tuple, **options):
            tensors[0].get_device())
     prepared = _CACHED.get(key)
     if prepared is None:
-        if len(_CACHED) >= _MAX_CACHED:
-            _CACHED.clear()
-        prepared = _CACHED[key] = KernelLaunch(kernel, grid, static_args, options)
+        prepared = _CACHED.put(key, KernelLaunch(kernel, grid, static_args, options))
     return prepared(*tensors)
