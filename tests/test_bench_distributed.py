@@ -3,16 +3,17 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_modules import BENCHMARKS
+
+ROOT = BENCHMARKS.parent
 
 
 def test_runs_and_skips_cleanly_without_two_gpus(tmp_path):
     # Part (c) only: on a GPU machine this must not start the one-GPU parts' minutes of timing.
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_distributed.py"), "--parts", "c",
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_distributed.py"), "--parts", "c",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "skipped:" in result.stdout

@@ -16,17 +16,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-transformers = pytest.importorskip("transformers", reason="tests/test_hf.py needs transformers>=5.23 "
-                                   "(pip install 'mla-inductor[hf]')")
+from transformers_support import transformers_or_skip
+
+transformers = transformers_or_skip("tests/test_hf.py")
 
 import mla_inductor.lowering  # noqa: E402,F401  (the ops and the pass the compiled tests go through)
 from mla_inductor import hf  # noqa: E402
-from mla_inductor._compat import version_tuple  # noqa: E402
 from mla_inductor.testing import fill_paged_mla_cache, random_deepseek_model, random_mla_model  # noqa: E402
 from source_imports import imported_modules  # noqa: E402
+from benchmark_modules import BENCHMARKS  # noqa: E402
 
-if version_tuple(transformers.__version__, 2) < hf.MIN_TRANSFORMERS:
-    pytest.skip(f"tests/test_hf.py needs transformers>=5.23, found {transformers.__version__}", allow_module_level=True)
 
 VOCAB = 512
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -778,7 +777,7 @@ def test_bench_generate_runs_as_a_cpu_smoke_test(tmp_path):
     """The GPU benchmark's script logic, at tiny sizes on CPU: every row runs and the results are written."""
     import json
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_generate.py"
+    script = BENCHMARKS / "bench_generate.py"
     result = subprocess.run([sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -795,7 +794,7 @@ def test_bench_generate_trace_profiles_the_generate_row_only(tmp_path):
     session would slow them)."""
     import json
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_generate.py"
+    script = BENCHMARKS / "bench_generate.py"
     base = [sys.executable, str(script), "--small", "--device", "cpu", "--trace", "--out", str(tmp_path)]
     refused = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--rows generate-mla only" in refused.stderr, refused.stderr[-2000:]

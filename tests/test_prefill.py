@@ -18,6 +18,7 @@ from mla_inductor import prefill
 from mla_inductor.testing import TOLERANCE, relative_error
 
 from benchmark_modules import load_benchmark
+from transformers_support import transformers_or_skip
 
 prompt_kernel_log = load_benchmark("report").prompt_kernel_log
 
@@ -276,19 +277,9 @@ def test_unaligned_strides_fall_back_to_sdpa():
 # ---------------------------------------------------------------------------------------------- HF prefill
 
 
-def _transformers_or_skip():
-    transformers = pytest.importorskip("transformers",
-                                       reason="needs transformers>=5.23 (pip install 'mla-inductor[hf]')")
-    from mla_inductor import hf
-    from mla_inductor._compat import version_tuple
-
-    if version_tuple(transformers.__version__, 2) < hf.MIN_TRANSFORMERS:
-        pytest.skip(f"needs transformers>=5.23, found {transformers.__version__}")
-
-
 def _seeded_v3_model(attn_implementation: str, **config):
     """A random-weight DeepSeek-V3 (transformers >= 5.23, else the test skips), seed 0, pad token 0."""
-    _transformers_or_skip()
+    transformers_or_skip("the HF prefill tests")
     from mla_inductor.testing import random_deepseek_model
 
     torch.manual_seed(0)
@@ -368,7 +359,7 @@ def test_prefill_issues_no_op_beyond_hf_sdpa_but_the_cache_write(case, pad_lens)
     """Per layer our prompt forward issues exactly one op HF's sdpa forward does not (``mla.cache_append``,
     the latents into the paged cache; HF's DynamicCache instead concatenates them), and per forward only
     the slot and length ops listed above: an extra copy, ``.contiguous()``, cast or index op fails."""
-    _transformers_or_skip()
+    transformers_or_skip("the HF prefill tests")
     logs = {(layers, ours): _prompt_ops(layers, ours, pad_lens) for layers in (1, 3) for ours in (False, True)}
     ours_per_2_layers = _minus(logs[3, True].ops, logs[1, True].ops)
     hf_per_2_layers = _minus(logs[3, False].ops, logs[1, False].ops)
