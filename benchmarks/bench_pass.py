@@ -73,19 +73,6 @@ def _chosen_backend(q, kv_cache, block_table, seq_lens, scale, kv_scale, sparse_
     return mla_inductor.backend_for_call(*args, q_scale).backend
 
 
-def _calls_step(calls: int, scale: float):
-    """A step of ``calls`` decodes sharing one page table, each on its own query and cache (identical
-    calls would be merged by common-subexpression elimination). q_nope/q_pe are slices of one
-    [T, H, 576] query, the layout the kernels read (FlashMLA takes it without a copy)."""
-
-    def step(qs, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale):
-        return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
-                                           seq_lens, scale, kv_scale, sparse_indices, q_scale)
-                for i, q in enumerate(qs)]
-
-    return step
-
-
 @dataclasses.dataclass(frozen=True)
 class MadeQuery:
     """q computed in the step (``--q-producer``): the mode, and the first call's producer inputs."""
@@ -98,9 +85,9 @@ def _step_and_args(calls: int, q, caches, block_table, seq_lens, scale, kv_scale
                    made: Optional[MadeQuery]):
     """(step function, its arguments, the tensors to mark static): ``calls`` calls on q given as inputs
     (``made`` None; the first is ``q``) or on q made in the step from ``made``'s producer inputs."""
-    if made is None:
-        qs = [q] + [torch.randn_like(q, dtype=torch.float32).mul_(0.5).to(q.dtype) for _ in range(calls - 1)]
-        return _calls_step(calls, scale), (qs, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale), qs
+    if made is None:  # each call on its own query and cache (identical calls would be merged by CSE)
+        qs = peer_kernels.layer_queries(q, calls)
+        return report.decode_calls(scale), (qs, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale), qs
     layers = made.first.layers(calls)
     args = query_producer.step_arguments(layers, caches, block_table, seq_lens, kv_scale, sparse_indices, q_scale)
     step = query_producer.produced_query_step(scale, made.producer.joined)
@@ -176,19 +163,14 @@ def time_peer_graphed(make, c, cache_key: str, calls: int, fresh=fresh_query) ->
     single call is timed. ``cache_key``: the case entry the peer reads its cache from; ``fresh(c)``: the
     entries giving another call its own query."""
     copies = peer_kernels.layer_caches(c[cache_key], calls)
-    fns = []
-    for i, cache in enumerate(copies):
-        query = {} if i == 0 else fresh(c)
-        fns.append(make(dict(c, **query, **{cache_key: cache})))
-    for fn in fns:
-        fn()
+    layers = tuple(dict({} if i == 0 else fresh(c), **{cache_key: cache}) for i, cache in enumerate(copies))
+    step = peer_kernels.direct_step("peer", c, calls, layers, makers={"peer": make})
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
+        step.run()
     ms = _bench(graph.replay) / calls
-    del graph, fns, copies
+    del graph, step, copies
     torch.cuda.empty_cache()
     return ms
 
@@ -214,7 +196,7 @@ def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = No
         print(rows[-1], flush=True)
     if not times:
         return (None, float("inf")), (None, float("inf"))
-    best = min(times.items(), key=lambda kv: kv[1])
+    best = peer_kernels.fastest(times)
     graphed = {}
     for name, ms in times.items():
         if cache_key is None or ms > GRAPHED_PEERS_WITHIN * best[1]:
@@ -226,7 +208,7 @@ def _best_peer(peers, makers: dict, c, rows: list, cache_key: Optional[str] = No
             continue
         rows.append(f"  peer {name:<22} {graphed[name] * 1e3:8.1f} us per call in a {calls}-call CUDA graph")
         print(rows[-1], flush=True)
-    best_graphed = min(graphed.items(), key=lambda kv: kv[1]) if graphed else (None, float("inf"))
+    best_graphed = peer_kernels.fastest(graphed) if graphed else (None, float("inf"))
     return best, best_graphed
 
 

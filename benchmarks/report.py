@@ -123,9 +123,10 @@ def decode_calls(scale: float):
     i % len(caches) (``peers.back_to_back_inputs``, the inputs the peers' ``direct_step`` reads); q_nope / q_pe
     are slices of one [T, H, 576] query (the layout the kernels read)."""
 
-    def step(qs, caches, block_table, seq_lens, kv_scale):
+    def step(qs, caches, block_table, seq_lens, kv_scale, sparse_indices=None, q_scale=None):
         return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
-                                           seq_lens, scale, kv_scale) for i, q in enumerate(qs)]
+                                           seq_lens, scale, kv_scale, sparse_indices, q_scale)
+                for i, q in enumerate(qs)]
 
     return step
 
