@@ -266,9 +266,11 @@ def test_flashinfer_output_does_not_depend_on_stale_memory():
 @pytest.mark.gpu
 def test_unaligned_strides_fall_back_to_sdpa():
     q, k, v = hf_like_inputs(1, 64, **DEEPSEEK, dtype=torch.bfloat16, device="cuda")
-    base = torch.randn(1, 8, 64, 128 + 4, device="cuda", dtype=torch.bfloat16)
+    # Rows of 136 bf16 (272 bytes, a multiple of 16): the view at the row's start is aligned, the one 4
+    # elements in starts 8 bytes past a 16-byte boundary.
+    base = torch.randn(1, 8, 64, 128 + 8, device="cuda", dtype=torch.bfloat16)
     _flashinfer_or_skip(q, k, base[..., :128])  # the aligned view of the same memory goes to FlashInfer
-    v = base[..., 4:]  # a pointer 8 bytes past the allocation's start
+    v = base[..., 4:132]
     assert prefill.prefill_kernel(q, k, v, True) == prefill.SDPA
     out = torch.ops.mla.prefill_attention(q, k, v, 0.1, True)
     assert relative_error(out, attention_reference(q, k, v, 0.1, True)) < TOLERANCE[torch.bfloat16]
