@@ -52,8 +52,9 @@ def environment_reader(name: str) -> Callable[[], Optional[str]]:
 
 def inductor_loaded() -> bool:
     """Whether Inductor is loaded, read without importing it: ``torch.compile`` loads it when a function is
-    wrapped, before the first call compiles anything, so its CUDA graphs may be about to run; an eager
-    program never loads it."""
+    wrapped, before the first call compiles anything, so its CUDA graphs may be about to run. Other code may
+    load it too (it says nothing of whether a graph was compiled), so callers use it only to skip work that
+    would otherwise import Inductor."""
     return "torch._inductor" in sys.modules
 
 

@@ -105,17 +105,18 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
     """One decode step: tokens [B] -> logits [B, V]. Positions and cache slots come from ``cache.seq_lens``
     on the device, so ``torch.compile(decode_one_token, fullgraph=True, mode="reduce-overhead")`` captures
     the whole step in a CUDA graph with no host work between steps. Called uncompiled (layers compiled one
-    by one), it marks the start of a step for CUDA graphs (``torch.compiler.cudagraph_mark_step_begin``)."""
+    by one) on CUDA tensors, it marks the start of a step for CUDA graphs
+    (``torch.compiler.cudagraph_mark_step_begin``)."""
     if isinstance(cache, torch.Tensor):
         raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache; the slot mapping is now "
                         "computed on the device from the cache's lengths (the old slot_mapping argument is gone)")
-    if not torch.compiler.is_compiling() and inductor_loaded():
+    if not torch.compiler.is_compiling() and tokens.is_cuda and inductor_loaded():
         # A new step: CUDA graphs of separately compiled layers (regional compilation, mode="reduce-overhead")
         # may now reuse the previous step's output memory. Without the mark their next replay fails ("accessing
         # tensor output of CUDAGraphs that has been overwritten"), and so does the first step, whose layers are
         # compiled and warmed up one after another. Compiled whole, this function is traced and its one graph
-        # needs no mark. Without Inductor loaded (an eager program) nothing can be captured, and the mark
-        # would import Inductor (seconds).
+        # needs no mark. CPU tensors are never captured. Without Inductor loaded nothing was compiled with it,
+        # and the mark would import it (seconds); where another library loaded it, the mark is a counter update.
         torch.compiler.cudagraph_mark_step_begin()
     positions = cache.seq_lens[:, None].long()
     out = model(input_ids=tokens[:, None], position_ids=positions, past_key_values=cache, use_cache=True,

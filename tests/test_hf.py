@@ -346,26 +346,40 @@ def test_own_decode_loop_reads_nothing_from_the_device(monkeypatch):
     assert not reads, dict(reads)
 
 
-def test_decode_one_token_marks_each_step_for_cuda_graphs_when_not_compiled_whole(monkeypatch):
-    """Uncompiled (layers compiled one by one), every step marks a CUDA-graph step begin, so per-layer graphs
-    may reuse the last step's outputs; compiled whole (fullgraph), the trace holds no mark and no graph break."""
-    import torch._inductor  # noqa: F401 - loaded, as by torch.compile(layer, mode="reduce-overhead") before its first call
+def decode_steps_counting_marks(monkeypatch, device, compiled_steps=0):
+    """Two uncompiled decode steps, then ``compiled_steps`` of decode_one_token compiled whole (fullgraph), with
+    Inductor loaded (as by torch.compile(layer, mode="reduce-overhead") before its first call); returns how many
+    CUDA-graph step marks were made."""
+    import torch._inductor  # noqa: F401
 
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    model = make_model("v3_yarn")
-    ids, mask = left_padded_prompts(seed=15)
+    model = make_model("v3_yarn").to(device)
+    ids, mask = left_padded_prompts(seed=15, device=device)
     cache = use_mla(model, batch=4)
     with torch.no_grad():
         token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
         for _ in range(2):
             token = hf.decode_one_token(model, token, cache).argmax(-1)
-        assert len(marks) == 2
-        torch._dynamo.reset()
-        step = torch.compile(hf.decode_one_token, fullgraph=True, backend="eager")
-        for _ in range(2):
-            token = step(model, token, cache).argmax(-1)
-    assert len(marks) == 2
+        if compiled_steps:
+            torch._dynamo.reset()
+            step = torch.compile(hf.decode_one_token, fullgraph=True, backend="eager")
+            for _ in range(compiled_steps):
+                token = step(model, token, cache).argmax(-1)
+    return len(marks)
+
+
+def test_decode_one_token_marks_no_cuda_graph_step_on_the_cpu(monkeypatch):
+    """CPU tensors are never captured: no mark, even with Inductor loaded (transformers and other libraries may
+    load it in a program that compiles nothing)."""
+    assert decode_steps_counting_marks(monkeypatch, "cpu") == 0
+
+
+@pytest.mark.gpu
+def test_gpu_decode_one_token_marks_each_step_for_cuda_graphs_when_not_compiled_whole(monkeypatch):
+    """Uncompiled (layers compiled one by one), every CUDA step marks a CUDA-graph step begin, so per-layer graphs
+    may reuse the last step's outputs; compiled whole (fullgraph), the trace holds no mark and no graph break."""
+    assert decode_steps_counting_marks(monkeypatch, "cuda", compiled_steps=2) == 2
 
 
 def test_capacity_is_still_checked_without_reading_the_device_each_step():
