@@ -24,7 +24,7 @@ import mla_inductor.lowering  # noqa: E402,F401  (the ops and the pass the compi
 from mla_inductor import hf  # noqa: E402
 from mla_inductor.testing import fill_paged_mla_cache, random_deepseek_model, random_mla_model  # noqa: E402
 from source_imports import imported_modules  # noqa: E402
-from benchmark_modules import BENCHMARKS  # noqa: E402
+from benchmark_modules import BENCHMARKS, load_benchmark  # noqa: E402
 
 
 VOCAB = 512
@@ -165,9 +165,9 @@ def test_stop_tokens_and_streamer():
 
 def test_transformers_deferred_stop_check_rolls_our_cache_back(monkeypatch):
     """transformers' DeferredStopCheck (it reads the stop flag one step late so the host never waits for the
-    device; transformers 5.23 turns it on for mps only) runs one forward too many and undoes it with
-    ``cache.crop``: forced on here, generate() on our cache gives HF eager's tokens, stop token included, and
-    leaves the cache holding exactly the tokens generated."""
+    device; transformers 5.23 turns it on for mps only) runs one forward too many once every row has stopped and
+    undoes it with ``cache.crop(-1)``: forced on here (as bench_generate's deferred row does), generate() on our
+    cache stops early with HF eager's tokens, stop tokens included, and the cache holds exactly the tokens fed."""
     from transformers.generation import utils as generation_utils
 
     if not hasattr(generation_utils, "DeferredStopCheck"):
@@ -175,14 +175,10 @@ def test_transformers_deferred_stop_check_rolls_our_cache_back(monkeypatch):
     model = make_model("v3_yarn")
     ids, mask = left_padded_prompts(seed=3)
     free = hf_generate(model, ids, mask, 16)[:, PROMPT_LEN:]
-    model.generation_config.eos_token_id = int(free[0, 4])
+    # A stop token for every row (row b's token at step 2 + b), so generation ends before its 16 tokens.
+    model.generation_config.eos_token_id = [int(free[b, 2 + b]) for b in range(free.shape[0])]
     want = hf_generate(model, ids, mask, 16)
-    deferred = []
-    supported = generation_utils.DeferredStopCheck.is_supported
-
-    def on_any_device(device, cache, cache_is_returned, is_assistant):
-        deferred.append(supported(torch.device("mps"), cache, cache_is_returned, is_assistant))
-        return deferred[-1]
+    assert want.shape[1] < PROMPT_LEN + 16, "every row should stop early"
 
     class HostEvent:  # CPU work is done when queued: the CUDA event's record / synchronize have nothing to wait for
         def __init__(self, device=None, blocking=False):
@@ -194,11 +190,14 @@ def test_transformers_deferred_stop_check_rolls_our_cache_back(monkeypatch):
         def synchronize(self):
             pass
 
-    monkeypatch.setattr(generation_utils.DeferredStopCheck, "is_supported", staticmethod(on_any_device))
     monkeypatch.setattr(torch, "Event", HostEvent)
     cache = use_mla(model, batch=4)
-    got = hf_generate(model, ids, mask, 16, past_key_values=cache)
-    assert deferred == [True], "transformers did not take the deferred stop check with our cache"
+    crops = []
+    crop = cache.crop
+    monkeypatch.setattr(cache, "crop", lambda n: (crops.append(n), crop(n))[1])
+    with load_benchmark("bench_generate").deferred_stop_check():
+        got = hf_generate(model, ids, mask, 16, past_key_values=cache)
+    assert crops and crops[-1] == -1, f"transformers did not roll back the one-step-late forward: crop calls {crops}"
     assert torch.equal(got, want), f"ours\n{got[:, PROMPT_LEN:]}\nHF eager\n{want[:, PROMPT_LEN:]}"
     # Every row holds its real prompt tokens and every token fed back (the one-step-late forward undone).
     assert cache.seq_lens.tolist() == (mask.sum(-1) + got.shape[1] - PROMPT_LEN - 1).tolist()
