@@ -103,7 +103,7 @@ class FlashInferBuilds:
     """FlashInfer builds each prefill kernel on its first use (JIT, minutes on a machine without its prebuilt
     cache; impossible without a CUDA compiler). A kernel whose first call fails because it cannot run here
     (``kernel_unusable``) is not called again: its calls go to sdpa, with one warning naming the error. Out
-    of memory or a CUDA error propagates, and a kernel that has run once is never disabled (a later failure
+    of memory or a CUDA error that breaks the device propagates, and a kernel that has run once is never disabled (a later failure
     is a real error and propagates)."""
 
     def __init__(self):
@@ -132,13 +132,22 @@ class FlashInferBuilds:
 FLASHINFER_BUILDS = FlashInferBuilds()
 
 
+# CUDA errors after which the context is broken (sticky: every later call fails, sdpa too) or that report
+# this call's own bad memory access. Other CUDA errors on a first call ("no kernel image is available",
+# "invalid device function", "too many resources requested for launch") say the kernel cannot run on this GPU.
+STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "device-side assert", "unspecified launch failure",
+                      "misaligned address", "an illegal instruction")
+
+
 def kernel_unusable(error: Exception) -> bool:
     """Whether a kernel's first call failed because the kernel cannot run here (its JIT build or load failed,
-    the library refused the configuration) rather than because this call did: out of memory, or a CUDA error
-    (the device is then in error for sdpa too). Only the first kind switches the kernel off."""
+    no build for this GPU, the library refused the configuration) rather than because this call did: out of
+    memory, or a CUDA error that leaves the device in error for sdpa too. Only the first kind switches the
+    kernel off."""
     if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return False
-    return "CUDA error" not in str(error)
+    message = str(error)
+    return not any(sticky in message for sticky in STICKY_CUDA_ERRORS)
 
 
 def _aligned(t: Tensor) -> bool:

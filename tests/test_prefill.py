@@ -201,7 +201,9 @@ def test_a_flashinfer_kernel_that_ran_is_never_disabled():
 @pytest.mark.parametrize("error", [
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     RuntimeError("CUDA error: an illegal memory access was encountered"),
-], ids=["out-of-memory", "cuda-error"])
+    RuntimeError("CUDA error: device-side assert triggered"),
+    RuntimeError("CUDA error: unspecified launch failure"),
+], ids=["out-of-memory", "illegal-access", "device-assert", "launch-failure"])
 def test_a_first_call_failing_for_this_call_only_propagates_and_keeps_the_kernel(error):
     """Out of memory or a CUDA error on a kernel's first call is this call's failure, not the kernel's: it
     propagates (no silent sdpa, which would fail the same way) and the kernel stays on for later calls."""
@@ -214,6 +216,22 @@ def test_a_first_call_failing_for_this_call_only_propagates_and_keeps_the_kernel
         builds.run("key", fails, lambda: pytest.fail("fell back to sdpa"))
     assert not builds.failed("key")
     assert builds.run("key", lambda: 1, lambda: 2) == 1
+
+
+@pytest.mark.parametrize("message", ["CUDA error: no kernel image is available for execution on the device",
+                                     "CUDA error: invalid device function",
+                                     "CUDA error: too many resources requested for launch"])
+def test_a_first_call_the_gpu_cannot_run_falls_back_to_sdpa(message):
+    """CUDA errors that say the kernel has no build or no room on this GPU (an SM that FlashInfer's JIT cache
+    was not built for, a launch too big for it) switch the kernel off, as a failed build does."""
+    builds = prefill.FlashInferBuilds()
+
+    def fails():
+        raise RuntimeError(message)
+
+    with pytest.warns(RuntimeWarning, match="its calls run torch's sdpa instead"):
+        assert builds.run("key", fails, lambda: 2) == 2
+    assert builds.failed("key")
 
 
 # ---------------------------------------------------------------------------------------------- the op (GPU)
