@@ -68,6 +68,13 @@ def stream_capture_query() -> Callable[[], bool]:
     return query
 
 
+# ``torch.cuda.current_device()`` without its Python wrapper (asked on every eager call on CUDA tensors, whose
+# callers initialized CUDA by making them); a CPU build has no such function and never asks.
+current_cuda_device: Callable[[], int] = (
+    torch._C._cuda_getDevice if torch.backends.cuda.is_built() and hasattr(torch._C, "_cuda_getDevice")
+    else torch.cuda.current_device)
+
+
 def check_value(cond, message: Callable[[], str]) -> None:
     """``torch._check_value``: a guard for backed symbolic sizes, a runtime assert for unbacked ones."""
     torch._check_value(cond, message)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_inductor._compat import argument_errors_reach_the_user
+from mla_inductor._compat import argument_errors_reach_the_user, current_cuda_device
 from mla_inductor._memo import Memo
 from mla_inductor.contract import (
     OP_ARG_NAMES,
@@ -66,12 +66,13 @@ _ARITY = len(OP_ARG_NAMES)
 
 
 class _EagerCall:
-    __slots__ = ("problem", "attends_nothing", "run")
+    __slots__ = ("problem", "attends_nothing", "run", "cuda_index")
 
-    def __init__(self, problem: DecodeProblem, attends_nothing: bool, run):
+    def __init__(self, problem: DecodeProblem, attends_nothing: bool, run, cuda_index: int):
         self.problem = problem
         self.attends_nothing = attends_nothing
         self.run = run  # the contract's nine arguments -> (out, lse), or out alone for mla.paged_decode
+        self.cuda_index = cuda_index  # the tensors' CUDA device, -1 elsewhere
 
 
 def _new_eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
@@ -80,7 +81,7 @@ def _new_eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
     q_nope, kv_cache, block_table, sparse_indices = args[0], args[2], args[3], args[7]
     nothing = attends_nothing(q_nope, kv_cache, block_table, sparse_indices)
     run = None if nothing else backend_for_eager(problem, q_nope.device).eager_decode(problem, args, with_lse)
-    return _EagerCall(problem, nothing, run)
+    return _EagerCall(problem, nothing, run, q_nope.get_device() if q_nope.is_cuda else -1)
 
 
 def _decode(op: str, with_lse: bool, args: tuple):
@@ -104,6 +105,11 @@ def _decode(op: str, with_lse: bool, args: tuple):
         out, lse = nothing_attended(q_nope)
         return (out, lse) if with_lse else out
     # softmax_scale reaches us as a float (the schema's type; the key holds it), so the run takes args as given.
+    if call.cuda_index >= 0 and current_cuda_device() != call.cuda_index:
+        # Kernels launch on the current device (Triton's, FlashMLA's streams): make it the tensors' one, as
+        # the compiled code's device guard does.
+        with torch.cuda.device(call.cuda_index):
+            return call.run(*args)
     return call.run(*args)
 
 
@@ -150,7 +156,11 @@ def _cache_append(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Te
     if wants_value_checks(slot_mapping):
         check = assert_append_values_on_device if checks_on_device(slot_mapping) else check_append_values
         check(kv_cache, slot_mapping, kv_scale)
-    backend_for_append(kv_cache.device).append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    writer = backend_for_append(kv_cache.device)
+    if kv_cache.is_cuda and current_cuda_device() != kv_cache.get_device():
+        with torch.cuda.device(kv_cache.device):
+            return writer.append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    writer.append(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 def _cache_append_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):

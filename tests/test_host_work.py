@@ -125,6 +125,7 @@ def test_small_kernel_launches_are_kept_per_device(as_if_on_cuda, monkeypatch):
     on_0, on_1 = torch.randn(64), torch.randn(64)
     on_0.gpu, on_1.gpu = 0, 1
     for t in (on_0, on_1, on_0, on_1):
+        as_if_on_cuda["current"] = t.gpu  # the op's device guard makes the tensors' device current
         launch_module.launch(kernel, (2,), (t,), (64,))
     assert len(launch_module._CACHED) == 2
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "direct", "direct"]

@@ -166,3 +166,38 @@ def test_a_decode_step_never_waits_for_the_device(backend, case, mode, request):
                                    sparse_indices)[0]
     err = relative_error(out, h)
     assert err <= TOL[fmt], f"{backend} {case} {mode}: error {err:.2e} vs the reference"
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", sorted(registered_backends()))
+def test_eager_calls_on_a_second_gpu_run_there(backend, case):
+    """Eager calls on cuda:1 while cuda:0 is current (no device guard of the caller's) write and read cuda:1's
+    cache: the op makes the tensors' device current, as the compiled code does."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    _skip_unless_runs(backend, case)
+    if backend == "reference":
+        pytest.skip("the reference runs torch ops, which follow their tensors' device")
+    fmt, _, heads = CASES[case]
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    kv_scale = 0.05 if fmt == "fp8_e4m3" else 1.0
+    cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=len(CONTEXT), max_seq_len=max(CONTEXT) + 16,
+                                                   fmt=fmt, kv_scale=kv_scale, num_pages=24, device=dev)
+    _garbage_fill(cache.kv_caches[0], cache.kv_scale)
+    g = torch.Generator(device=dev).manual_seed(3)
+    slots = cache.reserve(CONTEXT)
+    n = slots.shape[0]
+    q_nope = (torch.randn(len(CONTEXT), heads, 512, device=dev, generator=g) * 0.5).bfloat16()
+    q_pe = (torch.randn(len(CONTEXT), heads, 64, device=dev, generator=g) * 0.5).bfloat16()
+    with mla_inductor.prefer_backends(backend):
+        torch.ops.mla.cache_append(cache.kv_caches[0], torch.randn(n, 512, device=dev, generator=g).bfloat16(),
+                                   torch.randn(n, 64, device=dev, generator=g).bfloat16(), slots, cache.kv_scale)
+        out = torch.ops.mla.paged_decode(q_nope, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens, SCALE,
+                                         cache.kv_scale, None)
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.current_device() == 0
+    want = paged_decode_reference(q_nope, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens, SCALE,
+                                  cache.kv_scale, None)[0]
+    err = relative_error(out, want)
+    assert out.device == dev and err <= TOL[fmt], f"{backend} {case} on cuda:1: error {err:.2e} vs the reference"
