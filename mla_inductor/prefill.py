@@ -170,9 +170,15 @@ def flashinfer_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
             return f"{name} is not 16-byte aligned (strides {t.stride()})"
     if max(t.stride(i) for t in (q, k, v) for i in range(3)) >= 2**31:
         return "a stride does not fit FlashInfer's 32-bit strides"
-    from mla_inductor.backends import flashinfer_unavailable_reason
-
     return flashinfer_unavailable_reason()
+
+
+def flashinfer_unavailable_reason() -> Optional[str]:
+    """None when FlashInfer imports in a version our decode backends take and a CUDA device is present, else
+    why not: the FlashInfer decode backend's library check (FlashInfer is imported on the first call)."""
+    from mla_inductor.backends import get_backend
+
+    return get_backend("flashinfer_fa2").unavailable_reason()
 
 
 # ----------------------------------------------------------------------------- the kernels

@@ -239,9 +239,7 @@ def test_a_first_call_the_gpu_cannot_run_falls_back_to_sdpa(message):
 
 def _flashinfer_or_skip(q, k, v):
     """Skips only where FlashInfer is not installed/usable; a call FlashInfer should take and refuses fails."""
-    from mla_inductor.backends import flashinfer_unavailable_reason
-
-    why = flashinfer_unavailable_reason()
+    why = prefill.flashinfer_unavailable_reason()
     if why is not None:
         pytest.skip(f"FlashInfer is not usable here: {why}")
     assert prefill.flashinfer_reason(q, k, v) is None, prefill.flashinfer_reason(q, k, v)
@@ -444,9 +442,7 @@ def test_hf_prefill_on_gpu_is_as_accurate_as_hf_sdpa():
         with prompt_kernel_log() as record:
             ours = logits(hf.PagedMLACache(model, batch_size=1, max_seq_len=600))
     assert len(record.kernels) == 2, record.kernels
-    from mla_inductor.backends import flashinfer_unavailable_reason
-
-    if flashinfer_unavailable_reason() is None:  # installed: every layer's prompt ran on it
+    if prefill.flashinfer_unavailable_reason() is None:  # installed: every layer's prompt ran on it
         assert all(k.startswith("flashinfer") for k in record.kernels), (record.kernels, [
             prefill.flashinfer_reason(*a) for a in record.args])
     ours_err, hf_err = relative_error(ours, truth), relative_error(hf_bf16, truth)

@@ -229,15 +229,6 @@ def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
     return versions
 
 
-def flashinfer_unavailable_reason() -> Optional[str]:
-    """None when FlashInfer (a version our backends take) imports and a CUDA device is present, else why not:
-    the library check of FlashInfer's decode backends, for the runtime's other FlashInfer user (the prompt
-    kernel, ``mla_inductor.prefill``). FlashInfer is imported on the first call, not before."""
-    from mla_inductor.backends._flashinfer_common import flashinfer_unavailable_reason as reason
-
-    return reason()
-
-
 def __getattr__(name: str):
     if name == "BACKEND_MODULES":  # the registry's old name: read-only now, for one release
         warnings.warn("mla_inductor.backends.BACKEND_MODULES is deprecated: use registered_backends() and "
