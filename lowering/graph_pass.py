@@ -348,8 +348,8 @@ def _joined_query(q_nope, q_pe) -> Optional[torch.fx.Node]:
     def last_dim_slice(n):
         """(base, its fake value, start, end) of ``base[..., start:end]``, with the schema's defaults (start
         None = 0, end None or past the end = the width) made ints; None for any other node."""
-        if not (isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.slice.Tensor and n.args):
-            return None
+        if not (isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.slice.Tensor and n.args) or n.kwargs:
+            return None  # (arguments given by keyword: not read here, so not matched)
         base, dim, start, end, step = (*n.args, *(0, None, None, 1)[len(n.args) - 1:])[:5]
         val = base.meta.get("val") if isinstance(base, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor) or step != 1 or dim not in (-1, val.dim() - 1):
@@ -358,7 +358,8 @@ def _joined_query(q_nope, q_pe) -> Optional[torch.fx.Node]:
         start, end = 0 if start is None else start, width if end is None else end
         if not all(isinstance(x, int) for x in (start, end, width)):
             return None
-        start, end = (x + width if x < 0 else x for x in (start, end))  # q[..., -R:] counts from the end
+        # A negative bound is width + bound (q[..., -R:] starts at width - R).
+        start, end = (x + width if x < 0 else x for x in (start, end))
         return base, val, start, min(end, width)
 
     a, b = last_dim_slice(q_nope), last_dim_slice(q_pe)
