@@ -160,7 +160,7 @@ def part_a(rep: Report, setup: Setup, quick: bool) -> None:
         rows.append(row)
         rep.say(f"{N:>3} {T:>5} {nbytes / 1e6:>9.1f} {ms * 1e3:>9.1f} {merge:>10.0f} {same:>9.0f} "
                 f"{merge / same:>7.2f} {merge / peak:>12.2f}")
-        del outs, lses
+        outs = lses = None  # free them before the next size (lambdas above read them)
     big = [r for r in rows if r["bytes"] >= 256e6]
     if big:
         worst = min(r["vs_peak_copy"] for r in big)
@@ -334,7 +334,7 @@ def part_b(rep: Report, setup: Setup, batches, contexts, mode: str, link_gbps: f
                          backend_whole=chosen_whole, backend_local=chosen_local, err_out=err_out,
                          err_lse=err_lse, collective_bytes_per_rank=coll, collective_us_at_link=est,
                          kv_bytes_whole=p.kv_bytes(p.whole), kv_bytes_shard=p.kv_bytes(shards[0])))
-        del p, shards, other, outs, lses
+        p = shards = other = outs = lses = None  # free them before the next case
         setup.free()
     rep.results["local_step"] = dict(link_gbps=link_gbps, rows=rows)
 
@@ -469,7 +469,7 @@ def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters
             row["compiled"][x] = entry
             rep.say(f"   compiled DCP step, {x}: {how}")
         rows.append(row)
-        del p, shard, steps, q_mine
+        p = shard = steps = q_mine = None  # free them before the next case
         setup.free()
     rep.results["two_gpus"] = dict(world=world, link_gbps=link_gbps, iters=iters, rows=rows)
 

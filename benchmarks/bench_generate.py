@@ -109,7 +109,7 @@ def copy_bandwidth_gbs(device) -> float:
     for _ in range(3):
         dst.copy_(src)
     seconds = min(wall_s(lambda: [dst.copy_(src) for _ in range(5)], device) for _ in range(3)) / 5
-    del src, dst
+    src = dst = None  # free them before the model is built (a lambda above reads both)
     return 2 * size / seconds / 1e9
 
 
@@ -183,13 +183,13 @@ def bench_generate_mla_deferred(model, cache, args, device) -> Row:
     if not hasattr(generation_utils, "DeferredStopCheck"):
         raise RuntimeError("this transformers has no DeferredStopCheck")
     with deferred_stop_check():
-        row = bench_generate_mla(model, cache, args, device, trace=False)
+        row = bench_generate_mla(model, cache, args, device, detail=False)
     row.name, row.what = "generate-mla-deferred", row.what + ", transformers' DeferredStopCheck on"
-    row.extra.pop("host_us_per_step", None)
     return row
 
 
-def bench_generate_mla(model, cache, args, device, trace: Optional[bool] = None) -> Row:
+def bench_generate_mla(model, cache, args, device, detail: bool = True) -> Row:
+    """generate() on our cache; with ``detail``, also its host time per step and (``--trace``) a profile."""
     import mla_inductor.lowering
     from mla_inductor import hf
 
@@ -208,8 +208,10 @@ def bench_generate_mla(model, cache, args, device, trace: Optional[bool] = None)
     row.extra["compile"] = compile_report(model, counts)
     new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
     row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
+    if not detail:
+        return row
     row.extra["host_us_per_step"] = host_time_per_step(run, args.steps, device)
-    if args.trace if trace is None else trace:  # last: a profiler session slows the process's later CUDA calls
+    if args.trace:  # last: a profiler session slows the process's later CUDA calls
         row.extra["trace"] = step_profile(lambda: run(8), device.type, steps=1, rows=30)
         progress(f"--- torch.profiler, one generate() of 8 new tokens\n{row.extra['trace']}")
     return row
@@ -417,7 +419,8 @@ def ratios(rows: dict[str, Row]) -> dict[str, Optional[float]]:
 
 
 def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) -> str:
-    dims = "small smoke-run dims (--small)" if args.small else "DeepSeek-V3 attention dims (H=128, L=512, R=64, hidden 7168)"
+    dims = ("small smoke-run dims (--small)" if args.small
+            else "DeepSeek-V3 attention dims (H=128, L=512, R=64, hidden 7168)")
     lines = [
         f"### model.generate() on a DeepSeek-V3-shaped model: {args.layers} layers, {dims}, dense MLP "
         f"{args.intermediate}, vocab {args.vocab}",
@@ -463,9 +466,10 @@ def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) 
         lines += ["", how + "."]
     host = next((r.extra["host_us_per_step"] for r in rows if "host_us_per_step" in r.extra), None)
     if host:
-        lines += ["", f"Where a generate-mla step's host time goes (cProfile over 2 + {args.steps} steps, µs per step; "
-                  "the profiler slows Python down, so compare the parts with each other):", ""]
-        lines.append(markdown_table(["part", "µs per step"], [{"part": k, "µs per step": v} for k, v in host.items()]))
+        lines += ["", f"Where a generate-mla step's host time goes (cProfile over 2 + {args.steps} steps, µs per "
+                  "step; the profiler slows Python down, so compare the parts with each other):", ""]
+        parts = [{"part": k, "µs per step": v} for k, v in host.items()]
+        lines.append(markdown_table(["part", "µs per step"], parts))
     return "\n".join(lines)
 
 
@@ -484,7 +488,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill-repeats", type=int, default=10, help="timed forwards of each prefill row (median)")
-    p.add_argument("--rows", nargs="+", default=["prefill", "generate-mla", "generate-mla-deferred", "loop-mla", "generate-hf"],
+    p.add_argument("--rows", nargs="+",
+                   default=["prefill", "generate-mla", "generate-mla-deferred", "loop-mla", "generate-hf"],
                    help="which rows to run (prefill = both prefill rows)")
     p.add_argument("--trace", action="store_true",
                    help="after timing generate-mla, print torch.profiler's table of one generate() of 8 tokens "
@@ -531,8 +536,9 @@ def main(argv=None) -> None:
             cache = hf.PagedMLACache(model, batch_size=args.batch, max_seq_len=args.context + args.steps + 8,
                                      fmt=args.fmt)
             fill_paged_mla_cache(cache, args.context)
-        for name, bench in (("generate-mla", bench_generate_mla), ("generate-mla-deferred", bench_generate_mla_deferred),
-                            ("loop-mla", bench_loop_mla)):
+        mla_rows = (("generate-mla", bench_generate_mla), ("generate-mla-deferred", bench_generate_mla_deferred),
+                    ("loop-mla", bench_loop_mla))
+        for name, bench in mla_rows:
             if name == "generate-mla-deferred" and name in args.rows and device.type != "cuda":
                 progress(f"[{name}] not run: transformers' DeferredStopCheck records device events (CUDA only here)")
                 continue

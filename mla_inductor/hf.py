@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
-    "DCPMLACache",
+    "DCPMLACache",  # noqa: F822 - lazy (module __getattr__: transformers is imported on first use)
     "PagedMLACache",
-    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",  # noqa: F822 - lazy, as above
     "decode_one_token",
     "generate",
     "prefill",
