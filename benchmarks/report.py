@@ -153,10 +153,14 @@ def step_profile(run, device: str, steps: int = 3, rows: int = 25, callers: tupl
     return table + ("\n" + event_callers(prof.events(), callers) if callers else "")
 
 
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent).replace("\\", "/") + "/"
+
+
 def _is_torch_frame(frame: str) -> bool:
-    """Whether a profiler frame name ("path.py(line): function") is torch's own code."""
+    """Whether a profiler frame name ("path.py(line): function") is torch's own code: a file under the torch
+    package's directory, wherever it is installed (site-packages, a source checkout), or a relative torch/ path."""
     path = frame.split(".py(")[0].replace("\\", "/")
-    return path.rsplit("site-packages/", 1)[-1].startswith("torch/")
+    return path.startswith(_TORCH_DIR) or path.startswith("torch/") or "/site-packages/torch/" in path
 
 
 def event_callers(events, names: tuple[str, ...], frames: int = 4) -> str:

@@ -291,13 +291,13 @@ def _check_scale_value(op: str, name: str, scale: Tensor) -> None:
         fail(op, ValueError, f"{name} must be finite and positive, got {value}")
 
 
+_capturing = stream_capture_query()
+
+
 def checks_on_device(t: Tensor) -> bool:
     """Whether the value checks of a call on t's device must be device-side asserts: while a CUDA graph is
     captured nothing may wait for the device (compiled graphs always use them on GPUs: lowering/checks.py)."""
     return t.is_cuda and _capturing()
-
-
-_capturing = stream_capture_query()
 
 
 def assert_decode_values_on_device(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,

@@ -183,5 +183,5 @@ def test_step_profile_names_who_waits_for_the_device():
     report = load_benchmark("report")
     x = torch.arange(8)
     text = report.step_profile(lambda: _reads_a_length_on_the_host(x), "cpu", steps=2)
-    line = next(l for l in text.splitlines() if "aten::_local_scalar_dense <-" in l)
+    line = next(row for row in text.splitlines() if "aten::_local_scalar_dense <-" in row)
     assert "_reads_a_length_on_the_host" in line and line.split()[0] == "2", line

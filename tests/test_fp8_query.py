@@ -18,6 +18,7 @@ import torch
 
 import mla_inductor
 import mla_inductor.contract
+from benchmark_modules import BENCHMARKS as BENCH
 from mla_inductor.backends._common import quantize_query_fp8, quantize_query_reference
 from mla_inductor.reference import paged_decode_reference
 from mla_inductor.testing import make_decode_inputs, relative_error
@@ -207,9 +208,6 @@ def test_static_scale_cast_kernel_matches_the_definition(shape):
 
 
 # ----------------------------------------------------------------------------- the accuracy benchmark
-
-from benchmark_modules import BENCHMARKS as BENCH  # noqa: E402
-
 
 def test_accuracy_benchmark_without_a_gpu_says_so_and_help_works():
     import subprocess
