@@ -806,6 +806,35 @@ def test_dense_slot_indices_mean_the_dense_call(fmt, Q, page_size):
     torch.testing.assert_close(sparse[1], dense[1], rtol=1e-6, atol=1e-6)
 
 
+@needs_triton
+@pytest.mark.parametrize("Q", [1, 3])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("lens_dtype", [torch.int32, torch.int64])
+def test_the_slot_index_kernel_lists_what_the_torch_ops_list(Q, page_size, lens_dtype):
+    """The one-launch kernel a GPU plan uses (kernels/slot_indices.py) against dense_slot_indices: random
+    tables with garbage (-1, huge) past each length, lengths 0 to the capacity, a column-strided table; the
+    output poisoned first, so an entry left unwritten fails."""
+    from mla_inductor.kernels.slot_indices import dense_slot_indices_kernel
+    from triton_support import TRITON_DEVICE
+
+    g = torch.Generator().manual_seed(page_size * 10 + Q)
+    max_pages, P = 5, 40
+    lens = torch.tensor([0, 1, Q - 1, page_size, max_pages * page_size - 1, max_pages * page_size, 2 * page_size + 1],
+                        dtype=lens_dtype).clamp_min(0)
+    B = len(lens)
+    table = torch.randint(0, P, (B, max_pages * 2), generator=g, dtype=torch.int32)[:, ::2]  # column-strided
+    for b, n in enumerate(lens.tolist()):
+        used = -(-n // page_size)
+        table[b, used:] = torch.where(torch.rand(max_pages - used, generator=g) < 0.5, -1, 2 ** 30)
+    want = fm.dense_slot_indices(table, lens, page_size, B * Q)
+    width = fm.dense_index_width(max_pages, page_size)
+    poisoned = torch.full((B * Q, width), 12345, dtype=torch.int32, device=TRITON_DEVICE)
+    got = dense_slot_indices_kernel(table.to(TRITON_DEVICE), lens.to(TRITON_DEVICE), page_size, B * Q, width,
+                                    out=poisoned)
+    assert got is poisoned and got.dtype == torch.int32 and got.shape == want.shape == (B * Q, width)
+    assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
+
+
 # ----------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu

@@ -415,19 +415,24 @@ def row_counts(kv_cache: Tensor, seq_lens: Tensor, num_rows: int, sparse_indices
     return visible_key_counts(seq_lens, num_rows, sparse_indices, kv_cache.shape[0] * kv_cache.shape[1])
 
 
+def dense_index_width(max_pages: int, page_size: int) -> int:
+    """K of ``dense_slot_indices``: the block table's capacity rounded up to a multiple of 64 (the sparse
+    kernels read indices in blocks of 64)."""
+    capacity = max_pages * page_size
+    return capacity + (-capacity % TOPK_BLOCK)
+
+
 def dense_slot_indices(block_table: Tensor, seq_lens: Tensor, page_size: int, num_rows: int) -> Tensor:
     """A dense call as a sparse one: int32 [T, K], row ``b*Q + j`` listing the cache slots
-    (``page * page_size + offset``) of positions ``0 .. seq_lens[b] - Q + j`` in order, then -1.
-    K = max_pages * page_size rounded up to a multiple of 64 (the sparse kernels read indices in blocks
-    of 64). Plain torch on the device, no host sync; entries past a sequence's length (garbage or -1 in the
-    block table included) are never looked up as slots."""
+    (``page * page_size + offset``) of positions ``0 .. seq_lens[b] - Q + j`` in order, then -1
+    (K = ``dense_index_width``). Plain torch on the device, no host sync; entries past a sequence's length
+    (garbage or -1 in the block table included) are never looked up as slots. On a GPU, plans use
+    ``kernels.slot_indices`` (one launch instead of about a dozen); this is its reference."""
     B, max_pages = block_table.shape
     Q = num_rows // max(B, 1)  # B = 0: no rows
-    capacity = max_pages * page_size
-    K = capacity + (-capacity % TOPK_BLOCK)
+    K = dense_index_width(max_pages, page_size)
     device = block_table.device
-    # unsqueeze rather than indexing with None: fake CUDA tensors (the plan's fake impl, traced on any
-    # machine) take no Python indexing in a CPU-only torch build.
+    # unsqueeze rather than indexing with None: fake CUDA tensors take no Python indexing in a CPU-only build.
     positions = torch.arange(K, device=device, dtype=torch.int32)
     page_of = (positions // page_size).clamp_max(max_pages - 1).long()
     pages = block_table.gather(1, page_of.unsqueeze(0).expand(B, K))  # [B, K]
@@ -435,6 +440,16 @@ def dense_slot_indices(block_table: Tensor, seq_lens: Tensor, page_size: int, nu
     last = seq_lens.unsqueeze(1) - Q + torch.arange(Q, device=device, dtype=torch.int32)  # [B, Q]: last visible
     visible = positions.view(1, 1, K) <= last.unsqueeze(2)  # [B, Q, K]
     return torch.where(visible, slots, -1).reshape(num_rows, K).to(torch.int32)
+
+
+def _plan_slot_indices(block_table: Tensor, seq_lens: Tensor, page_size: int, num_rows: int) -> Tensor:
+    """``dense_slot_indices`` as a plan makes it: one kernel on a GPU."""
+    if not block_table.is_cuda:
+        return dense_slot_indices(block_table, seq_lens, page_size, num_rows)
+    from mla_inductor.kernels.slot_indices import dense_slot_indices_kernel
+
+    return dense_slot_indices_kernel(block_table, seq_lens, page_size, num_rows,
+                                     dense_index_width(block_table.shape[1], page_size))
 
 
 def kernel_tensors(mode: str, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
@@ -447,13 +462,13 @@ def kernel_tensors(mode: str, kv_cache: Tensor, block_table: Tensor, seq_lens: T
       on a sequence of length 0 (illegal address, H100); the row is finished afterwards anyway;
     - sparse: ``[]``, or ``sparse_indices`` padded with -1 to a multiple of 64 (the kernels load top-k in
       blocks of 64 and assert ``topk % 64 == 0``);
-    - dense_ds: ``[dense_slot_indices(...)]`` for the ``num_rows`` query rows.
+    - dense_ds: ``[dense_slot_indices(...)]`` for the ``num_rows`` query rows (one kernel on a GPU).
     """
     if mode == "sparse":
         pad = -sparse_indices.shape[-1] % TOPK_BLOCK
         return [torch.nn.functional.pad(sparse_indices, (0, pad), value=-1)] if pad else []
     if mode == "dense_ds":
-        return [dense_slot_indices(block_table, seq_lens, kv_cache.shape[1], num_rows)]
+        return [_plan_slot_indices(block_table, seq_lens, kv_cache.shape[1], num_rows)]
     table = clamp_pages(block_table, kv_cache.shape[0])
     return [table, kernel_lengths(seq_lens)] if mode == "dense_fp8" else [table]
 
@@ -658,11 +673,16 @@ def _fake_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     q_per_seq = int(T // max(block_table.shape[0], 1)) or 1  # an empty batch (B = 0) plans as Q = 1
     parts, width = metadata_shape(find_providers().for_mode(mode), mode, q_nope.device, int(H), q_per_seq,
                                   q_dtype, kv_cache.dtype)
+    if mode == "dense_ds":  # (the GPU's kernel takes no fake tensors)
+        tensors = [q_nope.new_empty((T, dense_index_width(block_table.shape[1], kv_cache.shape[1])),
+                                    dtype=torch.int32)]
+    else:
+        tensors = kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices, T)
     return [
         q_nope.new_empty((parts, width), dtype=torch.int32),
         q_nope.new_empty((block_table.shape[0] + 1,), dtype=torch.int32),
         q_nope.new_empty((T,), dtype=torch.int32),
-    ] + kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices, T)
+    ] + tensors
 
 
 def _decode_and_plan_list(*args) -> list[Tensor]:
