@@ -162,8 +162,11 @@ def _run_cases(rank, world, port, backend, cases, errors):
 # Inductor, the package and this module once: forking it costs far less than a fresh interpreter per process
 # importing them again. No op has run in it, so it has started no thread pool a fork could leave locked
 # (transformers is left out: it starts a thread of its own at import).
+# Imported once by the forkserver, so that each child starts with them loaded. Not this module: its import asks
+# torch.cuda.is_available(), which registers CUDA's fork guard in the forkserver, and every child forked from it
+# then fails its first CUDA call ("Cannot re-initialize CUDA in forked subprocess"; 2 x H100, NCCL).
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "triton", "sympy", "mla_inductor", "mla_inductor.distributed",
-            "mla_inductor.hf", "mla_inductor.lowering", "test_distributed"]
+            "mla_inductor.hf", "mla_inductor.lowering"]
 
 
 def spawn(world, cases, backend="gloo"):
