@@ -162,20 +162,23 @@ def _run_cases(rank, world, port, backend, cases, errors):
 # Inductor, the package and this module once: forking it costs far less than a fresh interpreter per process
 # importing them again. No op has run in it, so it has started no thread pool a fork could leave locked
 # (transformers is left out: it starts a thread of its own at import).
-# Imported once by the forkserver, so that each child starts with them loaded. Not this module: its import asks
-# torch.cuda.is_available(), which registers CUDA's fork guard in the forkserver, and every child forked from it
-# then fails its first CUDA call ("Cannot re-initialize CUDA in forked subprocess"; 2 x H100, NCCL).
+# Imported once by the forkserver (CPU runs), so that each child starts with them loaded.
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "triton", "sympy", "mla_inductor", "mla_inductor.distributed",
-            "mla_inductor.hf", "mla_inductor.lowering"]
+            "mla_inductor.hf", "mla_inductor.lowering", "test_distributed"]
 
 
 def spawn(world, cases, backend="gloo"):
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    # GPU runs start each child afresh: a forked child cannot use CUDA once its parent has asked anything of it,
+    # and importing torch's compiler stack asks torch.cuda.is_available() (2 x H100: "Cannot re-initialize CUDA
+    # in forked subprocess", from a forkserver that had only imported the modules above).
+    method = "spawn" if backend == "nccl" else "forkserver"
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(_PRELOAD)
     errors = context.SimpleQueue()
     try:
         mp.start_processes(_run_cases, args=(world, free_port(), backend, cases, errors), nprocs=world, join=True,
-                           start_method="forkserver")
+                           start_method=method)
     except Exception as e:  # noqa: BLE001
         reports = []
         while not errors.empty():
