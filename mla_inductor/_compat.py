@@ -68,6 +68,15 @@ def stream_capture_query() -> Callable[[], bool]:
     return query
 
 
+def raw_stream_query() -> Callable[[int], int]:
+    """The current CUDA stream of a device as an int, cheaply (``torch._C._cuda_getCurrentRawStream``; asked
+    per call to key per-stream workspaces); where this torch has no CUDA, a function that answers 0."""
+    query = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if query is None or not torch.backends.cuda.is_built():
+        return lambda device_index: 0
+    return query
+
+
 # ``torch.cuda.current_device()`` without its Python wrapper (asked on every eager call on CUDA tensors, whose
 # callers initialized CUDA by making them); a CPU build has no such function and never asks.
 current_cuda_device: Callable[[], int] = (

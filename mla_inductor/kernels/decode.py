@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from mla_inductor._compat import raw_stream_query, stream_capture_query
 from mla_inductor.cache import FP8_DS_MLA_TOKEN_BYTES, cache_format
 
 try:
@@ -496,6 +497,38 @@ def triton_paged_decode(
                               sparse_indices, config, out, lse)
 
 
+# Split-KV workspaces kept between calls, one per (device, stream). A call's partials are read by its own merge
+# kernel, next on the same stream, so the next call on that stream may write them again (stream order): no
+# allocation per call, which cost more host time than the launch it feeds (13-18 us on the H100 machine's host
+# for one allocation and its two views, bench: DecodeLaunch.__call__ 50 us at B=1 H=128). Not while a CUDA graph
+# is captured: a graph keeps the addresses it recorded, so its workspace comes from the graph's own pool, one per
+# capture, as before. Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
+WORKSPACE_KEEP_BYTES = 64 << 20
+_WORKSPACES: dict = {}
+_capturing = stream_capture_query()
+_current_stream = raw_stream_query()
+
+
+def _split_partials(launch: "DecodeLaunch"):
+    """The partials of ``launch``'s split-KV call: views of the kept workspace of the current stream (made
+    again only when that workspace changed), else a fresh ``_alloc_partials``."""
+    T, H, L = launch.out_shape
+    ns, device = launch.splits, launch.device
+    numel = T * H * ns * (L + 1)
+    if device.type != "cuda" or numel * 4 > WORKSPACE_KEEP_BYTES or _capturing():
+        return _alloc_partials(T, H, ns, L, device)
+    key = (device.index, _current_stream(device.index))
+    workspace = _WORKSPACES.get(key)
+    if workspace is None or workspace.numel() < numel:
+        workspace = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    kept = launch.partials
+    if kept is None or kept[0] is not workspace:
+        rows = T * H * ns
+        kept = launch.partials = (workspace, workspace[:rows * L].view(T, H, ns, L),
+                                  workspace[rows * L:numel].view(T, H, ns))
+    return kept[1], kept[2]
+
+
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns], two views
     of one allocation (an allocation costs several µs of a short call's host time on a GPU). The lse part
@@ -562,6 +595,7 @@ class DecodeLaunch:
         self.table_copy = self.indices_copy = False
         self.kv_scale_view = kv_scale is not None and (tuple(kv_scale.shape) != (1,) or kv_scale.dtype != torch.float32)
         self.main = self.merge = None
+        self.partials = None  # (workspace, partial out, partial lse) of the last split call: _split_partials
         if self.nothing:
             return
         if self.sparse:
@@ -621,6 +655,7 @@ class DecodeLaunch:
                      c["DOT_PREC"], c["EMULATE"], fp8_qk == "reload", fp8_qk == "swap", fp16_mma)
         grid = (T * ns * triton.cdiv(H, cfg.block_h),)
         self.splits = ns
+        self.partials = None
         self.main = KernelLaunch(_kernel_for(_mla_decode_kernel, self.device), grid,
                                  self.kernel_scalars + constants, dict(num_warps=cfg.num_warps,
                                                                        num_stages=cfg.num_stages))
@@ -661,8 +696,7 @@ class DecodeLaunch:
         elif self.kv_scale_view:
             kv_scale = kv_scale.reshape(1).float()
         if self.merge is not None:
-            T, H, L = self.out_shape
-            pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
+            pout, plse = _split_partials(self)
         else:
             pout, plse = out, lse  # unused
         self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse)
