@@ -255,41 +255,54 @@ def test_gpu_triton_decode_relaunches_the_compiled_kernels_and_stays_correct(mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_gpu_triton_split_workspace_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
-    """A split call reuses its stream's workspace (no allocation per call), writes every partial the merge reads
-    (the kept workspace poisoned with NaN between calls), keeps another stream's apart, and a captured CUDA graph
-    gets a workspace of its own that replays correctly."""
+    """An eager split call reuses its stream's workspace (no allocation per call), writes every partial the merge
+    reads (the kept workspace poisoned with NaN between calls), keeps another stream's apart; a captured CUDA
+    graph and compiled code (CUDA-graph trees, whose warm-up allocates in the graph's pool) keep none."""
+    from mla_inductor import ops
     from mla_inductor.backends import triton as triton_backend
 
     monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
     monkeypatch.setattr(decode_kernels, "_WORKSPACES", {})
     x = make_decode_inputs(seq_lens=[4096], num_heads=128, page_size=64, device="cuda", seed=6)
     args = x.args()
     want = mla_inductor.paged_decode_reference(*args)[0]
-    first = triton_backend.DECODE_OP(*args, [])[0]
-    (launch,) = triton_backend._LAUNCHES.values()
-    assert launch.merge is not None, "B=1, S=4096 should split"
-    kept = launch.partials[1].data_ptr()
-    launch.partials[1].fill_(float("nan"))
-    launch.partials[2].fill_(float("nan"))
-    second = triton_backend.DECODE_OP(*args, [])[0]
-    assert launch.partials[1].data_ptr() == kept and len(decode_kernels._WORKSPACES) == 1
-    for out in (first, second):
-        assert not out.isnan().any() and relative_error(out, want) < 1e-2
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        other = triton_backend.DECODE_OP(*args, [])[0]
-    side.synchronize()
-    assert len(decode_kernels._WORKSPACES) == 2 and relative_error(other, want) < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = triton_backend.DECODE_OP(*args, [])[0]
-    assert len(decode_kernels._WORKSPACES) == 2, "a capture must not keep (or replace) a workspace"
-    for ws in decode_kernels._WORKSPACES.values():
-        ws.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not captured.isnan().any() and relative_error(captured, want) < 1e-2
+
+    def decode():
+        return torch.ops.mla.paged_decode(*args)
+
+    with mla_inductor.prefer_backends("triton"):
+        first = decode()
+        (launch,) = triton_backend._LAUNCHES.values()
+        assert launch.merge is not None, "B=1, S=4096 should split"
+        kept = launch.partials[1].data_ptr()
+        launch.partials[1].fill_(float("nan"))
+        launch.partials[2].fill_(float("nan"))
+        second = decode()
+        assert launch.partials[1].data_ptr() == kept and len(decode_kernels._WORKSPACES) == 1
+        for out in (first, second):
+            assert not out.isnan().any() and relative_error(out, want) < 1e-2
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            other = decode()
+        side.synchronize()
+        assert len(decode_kernels._WORKSPACES) == 2 and relative_error(other, want) < 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = decode()
+        assert len(decode_kernels._WORKSPACES) == 2, "a capture must not keep (or replace) a workspace"
+        for ws in decode_kernels._WORKSPACES.values():
+            ws.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not captured.isnan().any() and relative_error(captured, want) < 1e-2
+        torch.compiler.reset()
+        step = torch.compile(decode, mode="reduce-overhead")
+        for _ in range(3):
+            compiled = step().clone()
+        assert len(decode_kernels._WORKSPACES) == 2, "compiled code must not keep a workspace"
+        assert relative_error(compiled, want) < 1e-2
 
 
 # ----------------------------------------------------------------------------- FlashInfer's repeated run

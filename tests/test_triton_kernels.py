@@ -94,18 +94,18 @@ def run_checked(case, sparse_indices=None, config=None, poison_partials=True):
     dev = case["q_nope"].device
     out = torch.full((T, H, L), float("nan"), dtype=case["q_nope"].dtype, device=dev)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=dev)
-    orig = tk._split_partials
+    orig = tk._alloc_partials
 
-    def poisoned(launch):  # the workspace a GPU call reuses, or a fresh one
-        po, pl = orig(launch)
+    def poisoned(*a, **k):
+        po, pl = orig(*a, **k)
         return po.fill_(float("nan")), pl.fill_(float("nan"))
 
     if poison_partials:
-        tk._split_partials = poisoned
+        tk._alloc_partials = poisoned
     try:
         o, s = tk._paged_decode_impl(**case, sparse_indices=sparse_indices, config=config, out=out, lse=lse)
     finally:
-        tk._split_partials = orig
+        tk._alloc_partials = orig
     assert o.data_ptr() == out.data_ptr()
     assert not torch.isnan(o).any(), "output not fully written (NaN poison survived)"
     assert not torch.isnan(s).any(), "lse not fully written (NaN poison survived)"

@@ -90,7 +90,8 @@ class TritonBackend(Backend):
         launch = prepared_launch(*args[:8])
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-            out, lse = launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices)
+            out, lse = launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices,
+                              keep_workspace=True)
             return (out, lse) if with_lse else out
 
         return decode

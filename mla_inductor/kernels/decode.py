@@ -510,7 +510,7 @@ _current_stream = raw_stream_query()
 
 
 def _split_partials(launch: "DecodeLaunch"):
-    """The partials of ``launch``'s split-KV call: views of the kept workspace of the current stream (made
+    """The partials of ``launch``'s eager split-KV call: views of the kept workspace of the current stream (made
     again only when that workspace changed), else a fresh ``_alloc_partials``."""
     T, H, L = launch.out_shape
     ns, device = launch.splits, launch.device
@@ -665,9 +665,13 @@ class DecodeLaunch:
                                       (ns, L, _next_pow2(ns)), dict(num_warps=4))
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
-                 lse=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 lse=None, keep_workspace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H, L], lse [T, H] fp32)`` of a call with the example's signature; ``out`` / ``lse``:
-        optional preallocated outputs (contiguous, the contract's dtypes)."""
+        optional preallocated outputs (contiguous, the contract's dtypes). ``keep_workspace``: the split-KV
+        workspace may be the stream's kept one (``_split_partials``): for eager calls only, never from compiled
+        code, whose CUDA-graph trees run warm-up calls with every allocation in the graph's pool (a workspace
+        kept from there is memory of the pool no output accounts for: "tensor(s) in the cudagraph pool not
+        tracked as outputs", H100)."""
         if out is None:
             out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
         elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
@@ -696,7 +700,11 @@ class DecodeLaunch:
         elif self.kv_scale_view:
             kv_scale = kv_scale.reshape(1).float()
         if self.merge is not None:
-            pout, plse = _split_partials(self)
+            if keep_workspace:
+                pout, plse = _split_partials(self)
+            else:
+                T, H, L = self.out_shape
+                pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
         else:
             pout, plse = out, lse  # unused
         self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse)
