@@ -499,10 +499,11 @@ def triton_paged_decode(
 
 # Split-KV workspaces kept between calls, one per (device, stream). A call's partials are read by its own merge
 # kernel, next on the same stream, so the next call on that stream may write them again (stream order): no
-# allocation per call, which cost more host time than the launch it feeds (13-18 us on the H100 machine's host
-# for one allocation and its two views, bench: DecodeLaunch.__call__ 50 us at B=1 H=128). Not while a CUDA graph
-# is captured: a graph keeps the addresses it recorded, so its workspace comes from the graph's own pool, one per
-# capture, as before. Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
+# allocation per call, which cost more host time than the merge launch it feeds (one allocation and its two
+# views: 11-21 us per call on an H100 system's host, 0.1-2.8 us kept; benchmarks/bench_triton_launch.py). Not
+# while a CUDA graph is captured: a graph keeps the addresses it recorded, so its workspace comes from the
+# graph's own pool, one per capture, as before; and only for eager calls (see DecodeLaunch.__call__).
+# Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
 WORKSPACE_KEEP_BYTES = 64 << 20
 _WORKSPACES: dict = {}
 _capturing = stream_capture_query()
