@@ -66,11 +66,10 @@ def matrix_rows(available: dict[str, Optional[str]]):
 def backend_matrix_markdown() -> str:
     """docs/backends.md's generated part: the table rows and what select_backend picks on each device,
     assuming every backend's library is installed."""
-    lines = ["| device | cache | sparse | batch | preference order | evidence |", "|---|---|---|---|---|---|"]
+    lines = ["| device | cache | sparse | calls | preference order | evidence |", "|---|---|---|---|---|---|"]
     for row in TABLE:
-        batch = "any" if row.max_batch is None else f"static, ≤ {row.max_batch}"
-        lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | {batch} | "
-                     f"{' → '.join(row.order)} | {row.evidence} |")
+        lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | "
+                     f"{row.applies_to()} | {' → '.join(row.order)} | {row.evidence} |")
     lines += ["", "First matching row wins. Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every "
               "library installed (batch 1 listed where it differs):", "",
               "| device | cache | sparse | H | page | B | backend | passed over |", "|---|---|---|---|---|---|---|---|"]

@@ -75,10 +75,24 @@ class Row:
     order: tuple[str, ...]
     evidence: str
     max_batch: Optional[int] = None  # the row applies only to calls with a static batch size <= this
+    max_heads: Optional[int] = None  # ... with a static head count <= this
+    # ... only to compiled calls of a whole step captured in CUDA graphs (a graph with at least
+    # HOST_PLAN_MIN_CALLS calls sharing a plan): there a kernel's own device time decides, not its host cost.
+    captured_steps_only: bool = False
 
-    def matches(self, device: str, problem: DecodeProblem) -> bool:
+    def matches(self, device: str, problem: DecodeProblem, context: Optional["CallContext"] = None) -> bool:
         return (self.device == device and problem.cache_format in self.formats and self.sparse == problem.sparse
-                and (self.max_batch is None or (problem.batch is not None and problem.batch <= self.max_batch)))
+                and (self.max_batch is None or (problem.batch is not None and problem.batch <= self.max_batch))
+                and (self.max_heads is None or (problem.num_heads is not None and problem.num_heads <= self.max_heads))
+                and (not self.captured_steps_only or (context is not None and context.captured
+                                                      and context.calls_sharing_plan >= HOST_PLAN_MIN_CALLS)))
+
+    def applies_to(self) -> str:
+        """The calls the row is limited to, in words (docs/backends.md)."""
+        limits = [f"static B ≤ {self.max_batch}" if self.max_batch is not None else "",
+                  f"H ≤ {self.max_heads}" if self.max_heads is not None else "",
+                  "whole steps in CUDA graphs" if self.captured_steps_only else ""]
+        return ", ".join(limit for limit in limits if limit) or "any"
 
 
 BF16 = ("bf16", "fp16")
@@ -91,6 +105,12 @@ FP32 = ("fp32",)
 TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
+    Row("sm90", BF16, False, ("triton", "flashinfer_fa3", "flashmla", "flashinfer_fa2", "reference"),
+        "H100, one sequence, few heads (a TP=8 shard of DeepSeek-V3), in a whole step captured in CUDA graphs: our "
+        "Triton kernel 14.4 us per call against FlashInfer FA3's 19.8 (61 calls back to back, docs/benchmarks.md "
+        "section 4, sixth run; at H=128 the two tie, 20.8 vs 20.75 us). Not eagerly or without CUDA graphs, where "
+        "its two launches cost more host time than FA3's whole call",
+        max_batch=1, max_heads=16, captured_steps_only=True),
     Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
         "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
         "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",
@@ -140,11 +160,13 @@ def device_class(device_type: str, capability: Optional[tuple[int, int]]) -> str
     return {8: "sm80", 9: "sm90", 10: "sm100", 12: "sm120"}.get(major, "cuda")
 
 
-def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> list[str]:
-    """Backends to try, best first, for this device and problem (the first matching TABLE row)."""
+def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]],
+                context: Optional[CallContext] = None) -> list[str]:
+    """Backends to try, best first, for this device and problem (the first matching TABLE row; ``context``: a
+    compiled call's, None for an eager one)."""
     device = device_class(problem.device_type, capability)
     for row in TABLE:
-        if row.matches(device, problem):
+        if row.matches(device, problem, context):
             return list(row.order)
     return ["triton", "reference"] if device != "cpu" else ["reference"]
 
@@ -248,7 +270,7 @@ def rank_backends(
                              f"prefer_backends); known: {sorted(known)}")
     problem = _with_user_choices(problem)
     ranked = []
-    for name in list(preference) if preference else table_order(problem, capability):
+    for name in list(preference) if preference else table_order(problem, capability, context):
         why = available.get(name, "not installed") if name in known else "not registered"
         ranked.append((name, why if why is not None else backends.get_backend(name).supports(problem, capability)))
     if context is not None and not preference:  # a user's order is taken as given

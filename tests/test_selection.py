@@ -8,7 +8,7 @@ import torch
 import mla_inductor
 from mla_inductor.backends import registered_backends
 from mla_inductor.info import backend_matrix_markdown, example_problem, matrix_rows
-from mla_inductor.selection import BACKEND_ENV, TABLE, device_class, select_backend
+from mla_inductor.selection import BACKEND_ENV, TABLE, CallContext, device_class, select_backend
 from triton_support import TRITON_DEVICE, needs_triton, needs_triton_on_cpu
 
 EVERYTHING = {name: None for name in registered_backends()}
@@ -46,6 +46,21 @@ def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
     assert select_backend(problem, SM90, available=EVERYTHING, preference=()).backend == want
     fp8 = example_problem("cuda", "fp8_e4m3", False, 128, 64, batch=batch, fp8_query=True)
     assert select_backend(fp8, SM90, available=EVERYTHING, preference=()).backend == "flashmla"
+
+
+@pytest.mark.parametrize("heads,batch,context,want", [
+    (16, 1, CallContext(61, captured=True), "triton"),          # a whole step in CUDA graphs: device time decides
+    (16, 1, CallContext(61, captured=False), "flashinfer_fa3"),  # compiled without graphs: Triton's launches cost
+    (16, 1, None, "flashinfer_fa3"),                            # eager
+    (16, 1, CallContext(1, captured=True), "flashmla"),          # a per-layer graph: the FA3 row, its host plan moved
+    (128, 1, CallContext(61, captured=True), "flashinfer_fa3"),  # H=128: a tie, the FA3 row
+    (16, 2, CallContext(61, captured=True), "flashmla"),
+])
+def test_sm90_bf16_one_sequence_few_heads_in_a_captured_step_goes_to_triton(heads, batch, context, want):
+    """The row for captured whole steps at B=1, H <= 16 (docs/benchmarks.md section 4, sixth run) applies to
+    exactly those calls."""
+    problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
+    assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
 
 @pytest.mark.parametrize("fmt,sparse,available,want", [
