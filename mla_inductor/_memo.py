@@ -4,6 +4,11 @@ launches, FlashInfer wrapper keys), kept in a dict that starts over when it reac
 A program has a handful of signatures; the bound only matters for one that makes new ones without end (a
 softmax_scale that changes every call, say). Starting over then costs one re-make per live signature; an LRU
 would cost bookkeeping on every hit, and hits are the hot path (``memo.get(key)`` is dict's own lookup).
+
+Each user keeps one module-level memo (eager calls in ``ops``, prepared launches in ``backends.triton``, small
+kernel launches in ``kernels.launch``, wrapper keys in ``backends._flashinfer_common``): what is memoized follows
+from the call signature alone, which is the key, so every caller of a kind shares one; per-step state (plans)
+lives in objects of its own (``backends._common.PlanCache``).
 """
 
 from __future__ import annotations
