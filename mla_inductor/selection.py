@@ -174,9 +174,14 @@ def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]],
 def user_preference() -> Optional[tuple[str, ...]]:
     """The user's backend priority list: ``prefer_backends(...)`` if active, else ``$MLA_INDUCTOR_BACKEND``
     (comma-separated), else None (use the table)."""
-    innermost = _innermost("preferences")
-    if innermost is not None:
-        return innermost
+    return _preference_in(_local.__dict__)
+
+
+def _preference_in(stacks: dict) -> Optional[tuple[str, ...]]:
+    """``user_preference`` given this thread's stacks (``_local.__dict__``)."""
+    blocks = stacks.get("preferences")
+    if blocks:
+        return blocks[-1]
     env = _backend_env()
     if not env:  # the common case, read by every compiled graph's run (lowering/records.py): keep it short
         return None
@@ -190,8 +195,10 @@ def _parsed_preference(env: str) -> Optional[tuple[str, ...]]:
 
 def selection_state() -> tuple:
     """Everything besides the call itself that decides its backend: the user's preference, the FP8-query
-    opt-in and the registry's generation (a key for choices cached per call signature; cheap to build)."""
-    return user_preference(), fp8_query_allowed(), backends.registry_generation()
+    opt-in and the registry's generation (a key for choices cached per call signature, built on every eager
+    call: the thread's stacks are read once)."""
+    stacks = _local.__dict__
+    return _preference_in(stacks), _fp8_query_in(stacks), backends.registry_generation()
 
 
 @contextlib.contextmanager
@@ -208,9 +215,14 @@ def prefer_backends(*names: str) -> Iterator[None]:
 def fp8_query_allowed() -> bool:
     """Whether every call may go to a backend computing with q in e4m3: ``allow_fp8_query(...)`` if active,
     else ``$MLA_INDUCTOR_FP8_QUERY`` (1 / 0), else no. A call with a static ``q_scale`` opts in by itself."""
-    innermost = _innermost("fp8_query")
-    if innermost is not None:
-        return innermost
+    return _fp8_query_in(_local.__dict__)
+
+
+def _fp8_query_in(stacks: dict) -> bool:
+    """``fp8_query_allowed`` given this thread's stacks (``_local.__dict__``)."""
+    blocks = stacks.get("fp8_query")
+    if blocks:
+        return blocks[-1]
     env = _fp8_query_env()
     return env is not None and env.strip() not in ("", "0")
 
@@ -234,12 +246,6 @@ def _pushed(name: str, value) -> Iterator[None]:
         yield
     finally:
         stack.pop()
-
-
-def _innermost(name: str):
-    """The top of this thread's stack ``name`` (the innermost block's value), or None outside every block."""
-    stack = getattr(_local, name, None)
-    return stack[-1] if stack else None
 
 
 def _with_user_choices(problem: DecodeProblem) -> DecodeProblem:
