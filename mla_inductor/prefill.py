@@ -103,8 +103,8 @@ class FlashInferBuilds:
     """FlashInfer builds each prefill kernel on its first use (JIT, minutes on a machine without its prebuilt
     cache; impossible without a CUDA compiler). A kernel whose first call fails because it cannot run here
     (``kernel_unusable``) is not called again: its calls go to sdpa, with one warning naming the error. Out
-    of memory or a CUDA error that breaks the device propagates, and a kernel that has run once is never disabled (a later failure
-    is a real error and propagates)."""
+    of memory or a CUDA error that breaks the device propagates, and a kernel that has run once is never
+    disabled (a later failure is a real error and propagates)."""
 
     def __init__(self):
         self.ran: set[tuple] = set()

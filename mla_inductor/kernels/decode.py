@@ -500,7 +500,7 @@ def triton_paged_decode(
 # Split-KV workspaces kept between calls, one per (device, stream). A call's partials are read by its own merge
 # kernel, next on the same stream, so the next call on that stream may write them again (stream order): no
 # allocation per call, which cost more host time than the merge launch it feeds (one allocation and its two
-# views: 11-21 us per call on an H100 system's host, 0.1-2.8 us kept; benchmarks/bench_triton_launch.py). Not
+# views: 11-21 us per call on an H100 system's host, 0.1-2.8 us kept; docs/benchmarks.md section 4). Not
 # while a CUDA graph is captured: a graph keeps the addresses it recorded, so its workspace comes from the
 # graph's own pool, one per capture, as before; and only for eager calls (see DecodeLaunch.__call__).
 # Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
@@ -524,19 +524,22 @@ def _split_partials(launch: "DecodeLaunch"):
         workspace = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
     kept = launch.partials
     if kept is None or kept[0] is not workspace:
-        rows = T * H * ns
-        kept = launch.partials = (workspace, workspace[:rows * L].view(T, H, ns, L),
-                                  workspace[rows * L:numel].view(T, H, ns))
+        kept = launch.partials = (workspace, *_partial_views(workspace, T, H, ns, L))
     return kept[1], kept[2]
 
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns], two views
-    of one allocation (an allocation costs several µs of a short call's host time on a GPU). The lse part
+    of one allocation (an allocation costs several µs of a short call's host time on a GPU)."""
+    workspace = torch.empty(T * H * ns * (L + 1), dtype=torch.float32, device=device)
+    return _partial_views(workspace, T, H, ns, L)
+
+
+def _partial_views(workspace: torch.Tensor, T: int, H: int, ns: int, L: int):
+    """(partial out [T, H, ns, L], partial lse [T, H, ns]) at the front of a float32 ``workspace``. The lse part
     starts T*H*ns*L floats in: 16-byte aligned, as L is a multiple of 4."""
     rows = T * H * ns
-    workspace = torch.empty(rows * (L + 1), dtype=torch.float32, device=device)
-    return workspace[:rows * L].view(T, H, ns, L), workspace[rows * L:].view(T, H, ns)
+    return workspace[:rows * L].view(T, H, ns, L), workspace[rows * L:rows * (L + 1)].view(T, H, ns)
 
 
 def _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
