@@ -5,7 +5,8 @@
 For a B=1 call at two sizes (S=64 H=16: one program, no split; S=4096 H=128: split-KV, a merge kernel), µs
 per call of: the whole eager op (``torch.ops.mla.paged_decode``, Triton preferred), the compiled op's
 implementation (``mla_triton::decode``), the prepared launch (``DecodeLaunch``), each kernel's direct
-relaunch (``KernelLaunch``) and, inside it, Triton's own pieces (the current device and stream, its launch
+relaunch (``KernelLaunch``: through torch's static launcher where it loads the kernel), the decode kernel
+relaunched by each launcher, and Triton's own pieces (the current device and stream, its launch
 metadata, the C launcher alone), an output allocation, the split-KV workspace made fresh and kept, a no-op
 dispatcher call, and the call-signature key. Each is timed over 3,000 calls with a device sync every 100
 (``time.perf_counter``); the kernels run while the host goes on, so a figure reads host time where the host
@@ -49,6 +50,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from mla_inductor.backends import triton as triton_backend
     from mla_inductor.contract import attends_nothing, call_signature
     from mla_inductor.kernels import decode as decode_kernels
+    from mla_inductor.kernels import launch as launch_module
     from mla_inductor.testing import make_decode_inputs
 
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
@@ -81,6 +83,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         device = driver.active.get_current_device()
         stream = driver.active.get_current_stream(device)
         every = (*tensors, *launch.main.static_args)
+        by_triton = launch_module.triton_runner(compiled, grid, launch.main.static_args)
+        by_torch = launch_module.static_runner(compiled, grid, launch.main.static_args, device)
+        rows.append(("decode kernel, Triton's launcher (compiled[grid])", lambda: by_triton(tensors)))
+        if by_torch is not None:
+            rows.append(("decode kernel, torch's static launcher", lambda: by_torch(tensors)))
         rows += [
             ("triton: current device", lambda: driver.active.get_current_device()),
             ("triton: current stream", lambda: driver.active.get_current_stream(device)),
@@ -99,7 +106,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             ("attends_nothing", lambda: attends_nothing(args[0], args[2], args[3], args[7])),
         ]
         case = f"B=1 S={seq[0]} H={H}"
-        lines += ["", f"## {case}: {launch.splits} split(s), {len(every)} kernel arguments", "",
+        launchers = ", ".join(f"{name} kernel relaunched by {'torch' if k.static else 'Triton'}"
+                              for name, k in (("decode", launch.main), ("merge", launch.merge)) if k is not None)
+        lines += ["", f"## {case}: {launch.splits} split(s), {len(every)} kernel arguments; {launchers}"
+                  + ("" if by_torch is not None else " (torch's static launcher cannot load the decode kernel here)"),
+                  "",
                   "| piece | µs per call |", "|---|---|"]
         data[case] = {}
         for name, fn in rows:

@@ -116,6 +116,101 @@ def real_tensors():
     return unset_fake_temporarily()
 
 
+# ----------------------------------------------------------------------------- Triton kernel launches
+
+
+class StaticKernel:
+    """A compiled Triton kernel loaded by torch's own launcher for Triton cubins (Inductor's
+    ``StaticallyLaunchedCudaKernel`` and ``torch._C._StaticCudaLauncher``, private): one C call per launch
+    that reads tensors' addresses directly, where Triton's generated launcher asks each argument for
+    ``data_ptr()`` in Python and queries the device and stream through Python first.
+
+    ``launch(function, grid_x, grid_y, grid_z, num_warps, shared, arg_types, args, stream)`` is the C entry;
+    ``runtime_positions``: which of the kernel's parameters (in signature order) are passed at run time (the
+    rest are constexprs compiled in); ``scratch``: the trailing ``None`` arguments the cubin takes for Triton's
+    (unused, size 0) global / profile scratch buffers.
+    """
+
+    __slots__ = ("launch", "function", "num_warps", "shared", "arg_types", "runtime_positions", "scratch", "owner")
+
+    def __init__(self, launch, function, num_warps, shared, arg_types, runtime_positions, scratch, owner):
+        self.launch = launch
+        self.function = function
+        self.num_warps = num_warps
+        self.shared = shared
+        self.arg_types = arg_types
+        self.runtime_positions = runtime_positions
+        self.scratch = scratch
+        self.owner = owner  # torch's kernel object: it owns the loaded module (unloaded when collected)
+
+
+def _static_launcher_class():
+    for module in ("torch._inductor.runtime.static_triton_launcher",  # torch >= 2.12
+                   "torch._inductor.runtime.static_cuda_launcher"):
+        try:
+            return importlib.import_module(module).StaticallyLaunchedCudaKernel
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def _runtime_positions(src) -> list[int]:
+    """The kernel parameters Triton passes at run time, in order (as torch's launcher filters them)."""
+    names = list(src.fn.arg_names)
+
+    def index(key) -> int:
+        return names.index(key) if isinstance(key, str) else key[0] if isinstance(key, tuple) else key
+
+    signature = {index(k): v for k, v in src.signature.items()}
+    constants = {index(k) for k in getattr(src, "constants", {})}
+    return [i for i in sorted(signature) if signature[i] != "constexpr" and i not in constants]
+
+
+def static_triton_kernel(compiled, device_index: int) -> Optional[StaticKernel]:
+    """``compiled`` (a Triton ``CompiledKernel`` for a CUDA device) loaded on ``device_index`` by torch's static
+    launcher, or None where this torch, Triton or kernel cannot be launched that way (the caller keeps
+    Triton's own launcher): no such torch API, no cubin, launch hooks, more than one CTA, scratch memory in use,
+    or a torch that refuses the kernel (older releases take at most 48 KB of shared memory)."""
+    cls = _static_launcher_class()
+    launcher = getattr(torch._C, "_StaticCudaLauncher", None)
+    cubin = getattr(compiled, "asm", {}).get("cubin")
+    if cls is None or launcher is None or cubin is None or not torch.backends.cuda.is_built():
+        return None
+    scratch = 0
+    for size_name in ("global_scratch_size", "profile_scratch_size"):
+        size = getattr(compiled.metadata, size_name, None)
+        if size:
+            return None  # Triton would allocate it per launch: not ours to imitate
+        scratch += size is not None
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mla_inductor_cubin_") as folder:
+        path = os.path.join(folder, f"{compiled.src.fn.__name__}.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        had_path = hasattr(compiled, "_cubin_path")
+        previous = getattr(compiled, "_cubin_path", None)
+        compiled._cubin_path = path  # where torch's class reads the cubin from (Inductor sets it the same way)
+        try:
+            kernel = cls(compiled)
+            try:
+                kernel.load_kernel(device_index)
+            except TypeError:  # torch < 2.9: loads on the current device
+                kernel.load_kernel()
+        except (NotImplementedError, RuntimeError, AttributeError, KeyError, TypeError):
+            return None
+        finally:
+            if had_path:
+                compiled._cubin_path = previous
+            else:
+                del compiled._cubin_path
+    positions = _runtime_positions(compiled.src)
+    if len(positions) != len(kernel.arg_tys) or kernel.function is None:
+        return None
+    return StaticKernel(launcher._launch_kernel, kernel.function, kernel.num_warps, kernel.shared,
+                        kernel.arg_tys + "O" * scratch, positions, scratch, kernel)
+
+
 # ----------------------------------------------------------------------------- functional collectives
 
 

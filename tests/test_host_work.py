@@ -81,6 +81,58 @@ def test_a_kernel_launch_goes_through_the_jit_once_then_through_the_compiled_ker
     assert (launch.jit_launches, launch.direct_launches) == (1, 2)
 
 
+def test_a_kernel_launch_relaunches_through_torchs_static_launcher_where_it_loads_the_kernel(as_if_on_cuda,
+                                                                                             monkeypatch):
+    """Where torch's launcher loads the compiled kernel, a relaunch is one call with the grid, the kernel's
+    launch facts and only its run-time arguments (constexprs left out, scratch buffers as trailing Nones)."""
+    from mla_inductor._compat import StaticKernel
+
+    calls = []
+
+    def c_launch(*args):
+        calls.append(args)
+
+    def load(compiled, device):
+        # Parameters: x, y, n (run time), s (run time), C (constexpr); two scratch buffers.
+        assert device == 0
+        return StaticKernel(c_launch, "fn", 8, 4096, "OOifOO", [0, 1, 2, 3], 2, owner=None)
+
+    class Src:
+        class fn:
+            arg_names = ["x", "y", "n", "s", "C"]
+
+    class Compiled(_Compiled):
+        src = Src
+
+    class Kernel(_Kernel):
+        def __getitem__(self, grid):
+            return lambda *args, **options: Compiled(self.log)
+
+    kernel = Kernel()
+    monkeypatch.setattr(launch_module, "static_triton_kernel", load)
+    x, y = torch.randn(64), torch.randn(32)
+    launch = KernelLaunch(kernel, (7, 2), (3, 1.5, "C"), dict(num_warps=8))
+    for _ in range(3):
+        launch(x, y)
+    assert launch.static and (launch.jit_launches, launch.direct_launches) == (1, 2)
+    assert len(calls) == 2
+    function, gx, gy, gz, warps, shared, types, args, stream = calls[0]
+    assert (function, gx, gy, gz, warps, shared, types) == ("fn", 7, 2, 1, 8, 4096, "OOifOO")
+    assert args[0] is x and args[1] is y and args[2:] == (3, 1.5, None, None)
+    assert isinstance(stream, int)
+
+
+def test_a_kernel_launch_keeps_tritons_launcher_where_torch_cannot_load_the_kernel(as_if_on_cuda, monkeypatch):
+    monkeypatch.setattr(launch_module, "static_triton_kernel", lambda compiled, device: None)
+    kernel = _Kernel()
+    x = torch.randn(8)
+    launch = KernelLaunch(kernel, (1,), (2,), {})
+    launch(x)
+    launch(x)
+    assert not launch.static
+    assert [entry[0] for entry in kernel.log] == ["jit", "direct"]
+
+
 def test_a_kernel_launch_takes_the_jit_where_the_specialization_or_the_device_may_differ(as_if_on_cuda):
     kernel = _Kernel()
     base = torch.randn(64)
@@ -250,6 +302,37 @@ def test_gpu_triton_decode_relaunches_the_compiled_kernels_and_stays_correct(mon
     out = triton_backend.DECODE_OP(q, *args[1:], [])[0]
     assert launch.main.jit_launches == 2
     assert relative_error(out, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_gpu_triton_relaunches_through_torchs_static_launcher_are_right(monkeypatch, num_heads):
+    """Where this torch has its static launcher, the merge kernel (small, any torch) is relaunched by it; every
+    relaunch, whichever launcher, writes the whole output (poisoned with NaN before each call) and follows new
+    inputs of the same signature. The decode kernel's launcher is reported (older torch releases refuse its
+    shared memory)."""
+    from mla_inductor._compat import _static_launcher_class
+    from mla_inductor.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
+    x = make_decode_inputs(seq_lens=[4096, 777], num_heads=num_heads, page_size=64, device="cuda", seed=11)
+    y = make_decode_inputs(seq_lens=[4096, 777], num_heads=num_heads, page_size=64, device="cuda", seed=12)
+    args_x, args_y = x.args(), y.args()
+    launch = triton_backend.prepared_launch(*args_x[:8])
+    out = torch.empty(*launch.out_shape, dtype=launch.out_dtype, device="cuda")
+    lse = torch.empty(*launch.lse_shape, dtype=torch.float32, device="cuda")
+    for args in (args_x, args_y, args_x, args_y):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        launch(*args[:5], args[6], args[7], out=out, lse=lse)
+        want_out, want_lse = mla_inductor.paged_decode_reference(*args)
+        assert relative_error(out, want_out) < 1e-2
+        assert torch.allclose(lse, want_lse, atol=2e-3, rtol=0)
+    assert launch.main.direct_launches == 3 and launch.merge is not None and launch.merge.direct_launches == 3
+    if _static_launcher_class() is not None and hasattr(torch._C, "_StaticCudaLauncher"):
+        assert launch.merge.static
+    print(f"H={num_heads}: decode kernel relaunched by {'torch' if launch.main.static else 'Triton'}")
 
 
 @pytest.mark.gpu

@@ -11,6 +11,11 @@ for launching a compiled kernel, the same from Triton 3.3 on: every argument in 
 included), as long as every pointer is 16-byte aligned like the first launch's and the current device is the
 one the kernel was loaded on. Otherwise the launch goes through the JIT, which handles any case.
 
+Where torch can load the compiled kernel itself (``_compat.static_triton_kernel``: Inductor's launcher for
+Triton cubins), the relaunch is one C call with the tensors and the precomputed run-time scalars; Triton's own
+launcher asks the current device and stream in Python and each tensor for ``data_ptr()``, several times the
+cost for a kernel of ~25 run-time arguments.
+
 The tensors must be the kernel's first parameters; everything after them is fixed (``static_args``). Under
 Triton's interpreter (CPU tensors) every launch goes through the JIT.
 """
@@ -21,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from mla_inductor._compat import raw_stream_query, static_triton_kernel
 from mla_inductor._memo import Memo
 
 
@@ -56,8 +62,8 @@ class KernelLaunch:
     ``jit_launches`` / ``direct_launches`` count the two paths (tests pin that repeated calls skip the JIT).
     """
 
-    __slots__ = ("kernel", "grid", "static_args", "options", "compiled", "_runner", "_device", "jit_launches",
-                 "direct_launches")
+    __slots__ = ("kernel", "grid", "static_args", "options", "compiled", "static", "_runner", "_device",
+                 "jit_launches", "direct_launches")
 
     def __init__(self, kernel, grid: tuple, static_args: tuple, options: dict):
         self.kernel = kernel
@@ -66,6 +72,7 @@ class KernelLaunch:
         self.static_args = static_args
         self.options = options
         self.compiled: Any = None  # the compiled kernel of the first aligned CUDA launch (register reports)
+        self.static = False  # whether relaunches go through torch's static launcher (else Triton's)
         self._runner = None
         self._device = None
         self.jit_launches = 0
@@ -76,7 +83,7 @@ class KernelLaunch:
         runner = self._runner
         if runner is not None and aligned(tensors) and current_device() == self._device:
             self.direct_launches += 1
-            runner(*tensors, *self.static_args)
+            runner(tensors)
             return self.compiled
         self.jit_launches += 1
         compiled = self.kernel[self.grid](*tensors, *self.static_args, **self.options)
@@ -89,7 +96,35 @@ class KernelLaunch:
         if kind is not None and isinstance(compiled, kind):
             self.compiled = compiled
             self._device = current_device()
-            self._runner = compiled[self.grid]
+            runner = static_runner(compiled, self.grid, self.static_args, self._device)
+            self.static = runner is not None
+            self._runner = runner or triton_runner(compiled, self.grid, self.static_args)
+
+
+def triton_runner(compiled, grid: tuple, static_args: tuple):
+    """Relaunch through Triton's launcher for a compiled kernel: every argument in signature order."""
+    launcher = compiled[grid]
+    return lambda tensors: launcher(*tensors, *static_args)
+
+
+def static_runner(compiled, grid: tuple, static_args: tuple, device: int):
+    """Relaunch through torch's static launcher (one C call), or None where it cannot load this kernel."""
+    kernel = static_triton_kernel(compiled, device)
+    if kernel is None:
+        return None
+    first_static = len(compiled.src.fn.arg_names) - len(static_args)
+    positions = kernel.runtime_positions
+    if positions[:first_static] != list(range(first_static)):
+        return None  # a tensor compiled in as a constant: not a launch of this form
+    fixed = tuple(static_args[i - first_static] for i in positions[first_static:]) + (None,) * kernel.scratch
+    launch, function, (gx, gy, gz) = kernel.launch, kernel.function, grid
+    num_warps, shared, arg_types, stream = kernel.num_warps, kernel.shared, kernel.arg_types, raw_stream_query()
+    keep = kernel.owner  # the loaded module lives as long as the runner
+
+    def run(tensors, keep=keep):
+        launch(function, gx, gy, gz, num_warps, shared, arg_types, tensors + fixed, stream(device))
+
+    return run
 
 
 _CACHED: Memo = Memo()
