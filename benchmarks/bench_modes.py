@@ -18,7 +18,9 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    ours / fastest peer <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs).
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
-   (``--all``: H=16 too). Target <= 1.3.
+   (``--all``: H=16 too). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
+   that mode with one small copy kernel instead of the attention (what the compiled call itself costs: Dynamo's
+   guards, Inductor's wrapper, the CUDA-graph replay).
 c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp8_e4m3 too; H=128, S=4096,
    a step of ``--c-calls`` calls, CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile``
    (automatic dynamic), with ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for
@@ -149,11 +151,11 @@ def decisions_during(fn: Callable[[], object], lower_afresh: bool = True) -> tup
 class OurStep:
     """Our op making ``len(qs)`` calls per step in one mode: "eager", "compiled" or "cudagraphs"."""
 
-    def __init__(self, case: Case, qs: list, caches: list, mode: str):
+    def __init__(self, case: Case, qs: list, caches: list, mode: str, step: Optional[Callable] = None):
         self.case, self.mode = case, mode
         c = case.c
         self.args = (qs, caches, c["block_table"], c["lens"], case.kv_scale)
-        step = decode_calls(c["scale"])
+        step = step or decode_calls(c["scale"])
         if mode == "eager":
             self.fn, self.backends = step, [mla_inductor.backend_for_call(
                 qs[0][..., :D_CKV], qs[0][..., D_CKV:], case.kv_cache, c["block_table"], c["lens"], c["scale"],
@@ -258,7 +260,27 @@ def one_call(case: Case, results: Results) -> None:
     row = dict(case=case.label, best_peer=best_name, peer_us=best)
     for mode in ("compiled", "cudagraphs"):
         _time_ours(case, qs, caches, mode, best, row)
+        row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
     results.add("b", row)
+
+
+def _one_copy(qs, caches, block_table, seq_lens, kv_scale):
+    """The one-call step's inputs and output shape with one small kernel instead of the attention: what
+    torch.compile's call itself costs (guards, wrapper, CUDA-graph replay)."""
+    return [q[..., :D_CKV].clone() for q in qs]
+
+
+def floor_us(case: Case, qs, caches, mode: str):
+    """µs per call of ``_one_copy`` compiled in ``mode``: the floor under a one-call graph of this mode."""
+    try:
+        step = OurStep(case, qs, caches, mode, step=_one_copy)
+        us = step.us_per_call()
+        del step
+        return us
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {type(e).__name__}: {str(e)[:120]}"
+    finally:
+        _free()
 
 
 # ----------------------------------------------------------------------------- part c
@@ -427,7 +449,7 @@ def markdown(results: Results, env: dict, args) -> str:
                "eager_err", "compiled_err", "cudagraphs_err"]),
         "b": ("b. one-call compiled graph vs the fastest peer's single call (target <= 1.3)",
               ["case", "best_peer", "peer_us", "compiled_us", "compiled_ratio", "cudagraphs_us", "cudagraphs_ratio",
-               "compiled_backend", "cudagraphs_backend", "compiled_err", "cudagraphs_err"]),
+               "compiled_floor_us", "cudagraphs_floor_us", "compiled_backend", "cudagraphs_backend", "compiled_err", "cudagraphs_err"]),
         "c": ("c. one compiled function at B = 4, 8, 16, 64 vs the step compiled for that B alone (target <= 1.05, "
               "same backend)",
               ["fmt", "mode", "B", "us_per_call", "alone_us", "ratio", "recompiled", "backend", "alone_backend",
