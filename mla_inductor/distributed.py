@@ -256,8 +256,10 @@ def _merge_by_all_to_all(out: Tensor, lse: Tensor, dcp: DCPGroup) -> tuple[Tenso
     N = dcp.world_size
     T, H, L = out.shape
     h = H // N
-    lse_bits = lse[..., None].view(out.dtype)  # fp32 as 1 (fp32) or 2 (fp16/bf16) elements of out's dtype
-    k = lse_bits.shape[-1]
+    # fp32 as 1 (fp32) or 2 (fp16/bf16) elements of out's dtype. The dtype view comes before the new last dim:
+    # viewing lse[..., None] instead failed in Inductor (torch 2.11), which gave the size-1 dim stride 0.
+    k = 4 // out.element_size()
+    lse_bits = lse.contiguous().view(out.dtype).view(T, H, k)
     # One copy builds the send buffer [N, T, h, L + k]: head block j (for rank j) first, (out | lse) per head.
     blocks = torch.cat([out.view(T, N, h, L).transpose(0, 1), lse_bits.view(T, N, h, k).transpose(0, 1)], dim=-1)
     received = all_to_all(blocks.view(N * T, h, L + k), dcp.group).view(N, T, h, L + k)
