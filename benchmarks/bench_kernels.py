@@ -32,8 +32,6 @@ _bench = report.median_ms
 
 def _ours(c, kind, config=None):
     """Closure running our kernel on a peers.make_case case; returns (fn, reference, bytes per token)."""
-    from mla_inductor.kernels.decode import triton_paged_decode
-
     q = c["q"]
     qn, qp = q[..., :D_CKV], q[..., D_CKV:]
     one = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -50,14 +48,24 @@ def _ours(c, kind, config=None):
     else:
         raise ValueError(kind)
 
+    return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, None, config), ref, per_tok
+
+
+def _prepared(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_indices, config):
+    """A call of our kernel as the backend makes it: checked and prepared once (``DecodeLaunch``), then each
+    call allocates its outputs and relaunches the compiled kernels. (A fresh ``triton_paged_decode`` per call
+    would time Triton's JIT front door too: on a slow host more than the kernel itself.)"""
+    from mla_inductor.kernels.decode import DecodeLaunch, triton_paged_decode
+
+    triton_paged_decode(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_indices, config=config)
+    launch = DecodeLaunch(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_indices, config)
+
     def run():
-        return triton_paged_decode(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, config=config)[0]
-    return run, ref, per_tok
+        return launch(qn, qp, cache, block_table, lens, kv_scale, sparse_indices)[0]
+    return run
 
 
 def _ours_sparse(c, kind, config=None):
-    from mla_inductor.kernels.decode import triton_paged_decode
-
     q = c["q"]
     qn, qp = q[..., :D_CKV], q[..., D_CKV:]
     one = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -67,10 +75,7 @@ def _ours_sparse(c, kind, config=None):
         packed, deq = pm.ds_mla_cache(c["cache"])
         cache, ref, per_tok = packed, pm.sparse_reference(c, deq), 656
 
-    def run():
-        return triton_paged_decode(qn, qp, cache, c["block_table"], c["lens"], c["scale"], one,
-                                   sparse_indices=c["indices"], config=config)[0]
-    return run, ref, per_tok
+    return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], one, c["indices"], config), ref, per_tok
 
 
 RECORDS: list = []  # one dict per measured row, for --out
@@ -221,8 +226,8 @@ def sweep(out_dir):
         return DC(bh, bn, ns, w, st, fp8_qk=qk, fp16_mma=f16)
 
     plans = {
-        # fp8 at H>32 runs bf16's configuration (issue 18: 366 us vs 326 bf16 at B=64); its K tile is half the
-        # bytes, so a deeper pipeline may fit where bf16's does not (candidates, not yet timed).
+        # fp8 at H>32 runs bf16's configuration: deeper pipelines did not help (2026-11-27: D(64, 64, 8, 3) 371 us,
+        # D(64, 32, 8, 4) 512 us, default 362 us at B=64; docs/triton_notes.md).
         (64, 128, 4096): {"bf16": [None], "fp8": [None, D(64, 64, 8, 3), D(64, 32, 8, 4)],
                           "ds": [None, D(64, 32, 8, 3)]},
         (128, 16, 4096): {
