@@ -105,10 +105,10 @@ class PlanOps:
     out_only: set = field(default_factory=set)  # run ops returning out alone (calls whose lse nobody reads)
     runs: set = field(default_factory=set)  # run ops taking the contract's eight arguments first
 
-    def note(self, backend, with_lse: bool) -> None:
-        """Record the ops of ``backend`` as the pass is about to use them (what it says now: a test may
-        change a backend's answers)."""
-        op, plan_op = backend.compiled_op(), backend.plan_op()
+    def note(self, backend, with_lse: bool, context: Optional[CallContext] = None) -> None:
+        """Record the ops of ``backend`` as the pass is about to use them in ``context`` (what it says now: a
+        test may change a backend's answers)."""
+        op, plan_op = backend.compiled_op(context), backend.plan_op()
         out_only = None if with_lse or op is None else backend.out_only_op()
         if out_only is not None:
             self.out_only.add(out_only)
@@ -122,14 +122,16 @@ class PlanOps:
 
 
 def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, constants: dict[int, Any],
-                 node_positions: list[int], check_values: Optional[str] = None, joined_query: bool = False):
+                 node_positions: list[int], check_values: Optional[str] = None, joined_query: bool = False,
+                 context: Optional[CallContext] = None):
     """A function of the call's tensor arguments (constants closed over) computing the backend's result
     (``backend`` None: the call attends nothing). ``check_values``: the op's name, to check the arguments'
     values first (``checks.py``). ``joined_query``: one more argument follows, the tensor q_nope and q_pe
-    are the halves of (``_joined_query``), for a backend that quantizes q to quantize whole."""
+    are the halves of (``_joined_query``), for a backend that quantizes q to quantize whole. ``context``: the
+    call's place in its graph (a backend's op may depend on it)."""
     op = plan_op = out_only = quantized = None
     if backend is not None:
-        op, plan_op = backend.compiled_op(), backend.plan_op()
+        op, plan_op = backend.compiled_op(context), backend.plan_op()
         out_only = None if with_lse or op is None else backend.out_only_op()
         quantized = backend.quantized_query_op(problem)
 
@@ -332,12 +334,12 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
         selection = _autotuned(problem, capability, selection, fake)
     log_decision(problem, capability, selection, context, notes)
     backend = get_backend(selection.backend)
-    ops.note(backend, with_lse)
+    ops.note(backend, with_lse, context)
     joined = None
     if backend.quantized_query_op(problem) is not None and check_values is None:
         joined = _joined_query(bound[0], bound[1])
     replacement = _replacement(backend, problem, with_lse, constants, node_positions, check_values,
-                               joined_query=joined is not None)
+                               joined_query=joined is not None, context=context)
     match.replace_by_example(replacement, [bound[i] for i in node_positions] + ([joined] if joined is not None else []))
 
 

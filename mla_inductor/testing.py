@@ -132,14 +132,19 @@ def edge_case_inputs(name: str, fmt: str = "bf16", *, num_heads: int = 64, kv_lo
 def backend_call_paths(backend, args: tuple) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Run one call through every path a backend offers, as ``(what, out, lse)``: ``decode`` (what eager
     dispatch calls), then what a compiled graph calls (the Inductor pass's replacement): the plan op once and
-    the decode op with that plan, the out-only op (lse: the decode op's) and the decode-and-plan op where the
+    the decode op with that plan (and the one of graphs compiled without CUDA graphs, where it differs), the out-only op (lse: the decode op's) and the decode-and-plan op where the
     backend has them. A backend without ops is traced by the pass from ``decode``: nothing more to call."""
+    from mla_inductor.selection import CallContext
+
     paths = [("decode", *backend.decode(*args))]
     op, plan_op = backend.compiled_op(), backend.plan_op()
     if op is None:
         return paths
     plan = plan_op(*args) if plan_op is not None else []
     paths.append(("compiled_op", *op(*args, plan)))
+    uncaptured = backend.compiled_op(CallContext(calls_sharing_plan=1, captured=False))
+    if uncaptured is not op:  # the op of graphs compiled without CUDA graphs, where it differs
+        paths.append(("compiled_op (no CUDA graphs)", *uncaptured(*args, plan)))
     if backend.out_only_op() is not None:
         paths.append(("out_only_op", backend.out_only_op()(*args, plan), paths[-1][2]))
     if backend.decode_and_plan_op() is not None:

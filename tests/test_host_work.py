@@ -340,7 +340,8 @@ def test_gpu_triton_relaunches_through_torchs_static_launcher_are_right(monkeypa
 def test_gpu_triton_split_workspace_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
     """An eager split call reuses its stream's workspace (no allocation per call), writes every partial the merge
     reads (the kept workspace poisoned with NaN between calls), keeps another stream's apart; a captured CUDA
-    graph and compiled code (CUDA-graph trees, whose warm-up allocates in the graph's pool) keep none."""
+    graph and code CUDA-graph trees run (whose warm-up allocates in the graph's pool) keep none; code compiled
+    without CUDA graphs uses the stream's kept one."""
     from mla_inductor import ops
     from mla_inductor.backends import triton as triton_backend
 
@@ -384,8 +385,17 @@ def test_gpu_triton_split_workspace_is_kept_per_stream_and_fresh_under_capture(m
         step = torch.compile(decode, mode="reduce-overhead")
         for _ in range(3):
             compiled = step().clone()
-        assert len(decode_kernels._WORKSPACES) == 2, "compiled code must not keep a workspace"
+        assert len(decode_kernels._WORKSPACES) == 2, "code CUDA-graph trees run must not keep a workspace"
         assert relative_error(compiled, want) < 1e-2
+        # Compiled without CUDA graphs: the stream's kept workspace, as eagerly (poisoned first).
+        for ws in decode_kernels._WORKSPACES.values():
+            ws.fill_(float("nan"))
+        torch.compiler.reset()
+        plain = torch.compile(decode)
+        outs = [plain().clone() for _ in range(2)]
+        assert len(decode_kernels._WORKSPACES) == 2 and launch.partials[1].data_ptr() == kept
+        for out in outs:
+            assert not out.isnan().any() and relative_error(out, want) < 1e-2
 
 
 # ----------------------------------------------------------------------------- FlashInfer's repeated run

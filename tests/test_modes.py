@@ -25,7 +25,7 @@ from torch.testing import FileCheck
 
 import mla_inductor
 from mla_inductor._memo import Memo
-from mla_inductor.backends import flashmla, get_backend, registered_backends
+from mla_inductor.backends import flashmla, registered_backends
 from mla_inductor.selection import CallContext, select_backend
 from mla_inductor.testing import make_decode_inputs, relative_error
 
@@ -105,12 +105,6 @@ def lowered(calls: int, fmt: str, B, T=None, heads=H, sizes: Sizes | None = None
         MLALoweringPass()(gm.graph)
     gm.recompile()
     return gm.code, [d for d in decisions() if d not in before]
-
-
-def _run_ops(backend: str) -> list[str]:
-    b = get_backend(backend)
-    ops = [b.compiled_op(), b.out_only_op(), b.decode_and_plan_op()]
-    return [op.name().split("::")[1] for op in ops if op is not None]
 
 
 # ----------------------------------------------------------------------------- dynamic shapes choose like static

@@ -21,7 +21,7 @@ import mla_inductor
 from mla_inductor.backends import get_backend, registered_backends
 from mla_inductor.backends import flashmla
 from mla_inductor.info import example_problem
-from mla_inductor.selection import select_backend
+from mla_inductor.selection import CallContext, select_backend
 
 CAPABILITIES = {"SM80": (8, 0), "SM89": (8, 9), "SM90": (9, 0), "SM100": (10, 0), "SM120": (12, 0)}
 FORMATS = {"bf16": (torch.bfloat16, 576), "fp8_e4m3": (torch.float8_e4m3fn, 576), "fp8_ds_mla": (torch.uint8, 656)}
@@ -44,6 +44,10 @@ def _fake_inputs(fmt: str, sparse: bool):
             torch.zeros(T, PAGES, dtype=torch.int32, **cuda), torch.ones(T, dtype=torch.int32, **cuda),
             torch.ones(1, dtype=torch.float32, **cuda),
             torch.zeros(T, TOPK, dtype=torch.int32, **cuda) if sparse else None)
+
+
+# The context of two_layers' calls as the pass sees them here: two calls sharing a plan, no CUDA graphs.
+UNCAPTURED = CallContext(calls_sharing_plan=2, captured=False)
 
 
 def _call(op) -> str:
@@ -103,7 +107,7 @@ def test_each_cell_is_rewritten_into_the_selected_backend(fake_gpu, cap, fmt, sp
     gm = _traced_and_lowered(fmt, sparse)
     code = gm.code
     check = FileCheck().check_not("torch.ops.mla.paged_decode")
-    run, plan, first = backend.compiled_op(), backend.plan_op(), backend.decode_and_plan_op()
+    run, plan, first = backend.compiled_op(UNCAPTURED), backend.plan_op(), backend.decode_and_plan_op()
     if run is None:  # traced into aten ops (the reference): no opaque MLA kernel at all (only the record op)
         check.check_not("torch.ops.mla_")
     elif first is not None:  # the first layer makes the plan, the second takes it
@@ -118,6 +122,23 @@ def test_each_cell_is_rewritten_into_the_selected_backend(fake_gpu, cap, fmt, sp
         else:
             check.check_count(_call(run), 2, exactly=True)
     check.run(code)
+
+
+def test_triton_keeps_its_split_workspace_only_in_graphs_without_cuda_graphs(fake_gpu, monkeypatch):
+    """Compiled without CUDA graphs, our Triton kernel's calls keep the split-KV workspace per stream (as eager
+    calls do); in a graph CUDA-graph trees capture, whose warm-up allocates in the graph's pool, they make a
+    fresh one (the op that keeps none)."""
+    from mla_inductor.backends import triton as triton_backend
+    from mla_inductor.lowering import graph_pass
+
+    fake_gpu(CAPABILITIES["SM80"])  # bf16 sparse on SM80: our Triton kernel
+    code = _traced_and_lowered("bf16", True).code
+    assert code.count(_call(triton_backend.DECODE_KEEPING_WORKSPACE_OP)) == 2, code
+    assert _call(triton_backend.DECODE_OP) not in code
+    monkeypatch.setattr(graph_pass, "cudagraphs_enabled", lambda: True)
+    code = _traced_and_lowered("bf16", True).code
+    assert code.count(_call(triton_backend.DECODE_OP)) == 2, code
+    assert "decode_keeping_workspace" not in code
 
 
 def test_the_cells_reach_every_backend_but_xqa():
@@ -139,7 +160,7 @@ def test_a_preference_changes_the_rewrite(fake_gpu, backend, cap, fmt):
     check = FileCheck().check_not("torch.ops.mla.paged_decode")
     if b.plan_op() is not None:
         check.check_count(_call(b.plan_op()), 1, exactly=True)
-    check.check_count(_call(b.compiled_op()), 2, exactly=True).check_not("mla_flashmla").run(gm.code)
+    check.check_count(_call(b.compiled_op(UNCAPTURED)), 2, exactly=True).check_not("mla_flashmla").run(gm.code)
 
 
 # ----------------------------------------------------------------------------- FP8 queries made by the compiler
@@ -200,7 +221,7 @@ def test_fp8_cache_keeps_a_bf16_query_by_default(fake_gpu):
     fake_gpu(CAPABILITIES["SM90"])
     code = _lowered_fp8_query_layers(static_scale=False, allow=False)
     assert "mla_flashmla" not in code and "aten.amax" not in code and QUANTIZE_TO_E4M3 not in code, code
-    assert code.count(_call(get_backend("triton").compiled_op())) == 2, code
+    assert code.count(_call(get_backend("triton").compiled_op(UNCAPTURED))) == 2, code
     problem = example_problem("cuda", "fp8_e4m3", False, H, 64, batch=T)
     sel = select_backend(problem, CAPABILITIES["SM90"], available=EVERYTHING, preference=())
     assert sel.backend == "triton" and "opt in with a static q_scale" in sel.reasons[0], sel

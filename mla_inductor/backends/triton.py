@@ -49,7 +49,17 @@ def _run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
     return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices)
 
 
+def _run_keeping_workspace(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                           plan):
+    """``_run`` with the split-KV workspace kept per stream, as eager calls keep it: for graphs compiled without
+    CUDA graphs (CUDA-graph trees warm a graph up with every allocation in the graph's pool, where a kept
+    workspace would be memory no output accounts for; a capture the user makes is seen and gets a fresh one)."""
+    launch = prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+    return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, keep_workspace=True)
+
+
 DECODE_OP = decode_op("mla_triton::decode", _run)
+DECODE_KEEPING_WORKSPACE_OP = decode_op("mla_triton::decode_keeping_workspace", _run_keeping_workspace)
 
 
 class TritonBackend(Backend):
@@ -78,7 +88,11 @@ class TritonBackend(Backend):
             return f"rope dim must be one of {SUPPORTED_R}, got {problem.rope_dim}"
         return None
 
-    def compiled_op(self):
+    def compiled_op(self, context=None):
+        # A fresh split-KV workspace costs more host time than the merge launch it feeds (docs/benchmarks.md
+        # section 4): kept where the graph is not captured by CUDA-graph trees.
+        if context is not None and not context.captured:
+            return DECODE_KEEPING_WORKSPACE_OP
         return DECODE_OP
 
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):

@@ -502,7 +502,8 @@ def triton_paged_decode(
 # allocation per call, which cost more host time than the merge launch it feeds (one allocation and its two
 # views: 11-21 us per call on an H100 system's host, 0.1-2.8 us kept; docs/benchmarks.md section 4). Not
 # while a CUDA graph is captured: a graph keeps the addresses it recorded, so its workspace comes from the
-# graph's own pool, one per capture, as before; and only for eager calls (see DecodeLaunch.__call__).
+# graph's own pool, one per capture, as before; and only for eager calls and graphs compiled without CUDA graphs
+# (see DecodeLaunch.__call__).
 # Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
 WORKSPACE_KEEP_BYTES = 64 << 20
 _WORKSPACES: dict = {}
@@ -672,10 +673,10 @@ class DecodeLaunch:
                  lse=None, keep_workspace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H, L], lse [T, H] fp32)`` of a call with the example's signature; ``out`` / ``lse``:
         optional preallocated outputs (contiguous, the contract's dtypes). ``keep_workspace``: the split-KV
-        workspace may be the stream's kept one (``_split_partials``): for eager calls only, never from compiled
-        code, whose CUDA-graph trees run warm-up calls with every allocation in the graph's pool (a workspace
-        kept from there is memory of the pool no output accounts for: "tensor(s) in the cudagraph pool not
-        tracked as outputs", H100)."""
+        workspace may be the stream's kept one (``_split_partials``): for eager calls and graphs compiled without
+        CUDA graphs only, never from code CUDA-graph trees run, whose warm-up calls make every allocation in the
+        graph's pool (a workspace kept from there is memory of the pool no output accounts for: "tensor(s) in
+        the cudagraph pool not tracked as outputs", H100)."""
         if out is None:
             out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
         elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
