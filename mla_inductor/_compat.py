@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import sys
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -119,11 +119,11 @@ def real_tensors():
 # ----------------------------------------------------------------------------- Triton kernel launches
 
 
-class StaticKernel:
+class StaticKernel(NamedTuple):
     """A compiled Triton kernel loaded by torch's own launcher for Triton cubins (Inductor's
-    ``StaticallyLaunchedCudaKernel`` and ``torch._C._StaticCudaLauncher``, private): one C call per launch
-    that reads tensors' addresses directly, where Triton's generated launcher asks each argument for
-    ``data_ptr()`` in Python and queries the device and stream through Python first.
+    ``StaticallyLaunchedCudaKernel`` and ``torch._C._StaticCudaLauncher``, private): one C call per launch,
+    where Triton's launcher first asks the current device and stream and its launch metadata in Python (about
+    2 us of a 11-16 us relaunch on an H100 system's host, docs/benchmarks.md section 4).
 
     ``launch(function, grid_x, grid_y, grid_z, num_warps, shared, arg_types, args, stream)`` is the C entry;
     ``runtime_positions``: which of the kernel's parameters (in signature order) are passed at run time (the
@@ -131,17 +131,14 @@ class StaticKernel:
     (unused, size 0) global / profile scratch buffers.
     """
 
-    __slots__ = ("launch", "function", "num_warps", "shared", "arg_types", "runtime_positions", "scratch", "owner")
-
-    def __init__(self, launch, function, num_warps, shared, arg_types, runtime_positions, scratch, owner):
-        self.launch = launch
-        self.function = function
-        self.num_warps = num_warps
-        self.shared = shared
-        self.arg_types = arg_types
-        self.runtime_positions = runtime_positions
-        self.scratch = scratch
-        self.owner = owner  # torch's kernel object: it owns the loaded module (unloaded when collected)
+    launch: Callable
+    function: int
+    num_warps: int
+    shared: int
+    arg_types: str
+    runtime_positions: list
+    scratch: int
+    owner: object  # torch's kernel object: it owns the loaded module (unloaded when collected)
 
 
 def _static_launcher_class():
