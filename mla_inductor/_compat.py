@@ -166,13 +166,16 @@ def _runtime_positions(src) -> list[int]:
 def static_triton_kernel(compiled, device_index: int) -> Optional[StaticKernel]:
     """``compiled`` (a Triton ``CompiledKernel`` for a CUDA device) loaded on ``device_index`` by torch's static
     launcher, or None where this torch, Triton or kernel cannot be launched that way (the caller keeps
-    Triton's own launcher): no such torch API, no cubin, launch hooks, more than one CTA, scratch memory in use,
-    or a torch that refuses the kernel (older releases take at most 48 KB of shared memory)."""
+    Triton's own launcher): no such torch API, no cubin, launch hooks, more than one CTA, scratch memory in
+    use, launch attributes (PDL, cooperative grids) or a torch that refuses the kernel (older releases take
+    at most 48 KB of shared memory)."""
     cls = _static_launcher_class()
     launcher = getattr(torch._C, "_StaticCudaLauncher", None)
     cubin = getattr(compiled, "asm", {}).get("cubin")
     if cls is None or launcher is None or cubin is None or not torch.backends.cuda.is_built():
         return None
+    if getattr(compiled.metadata, "launch_pdl", False) or getattr(compiled.metadata, "launch_cooperative_grid", False):
+        return None  # launch attributes torch's launcher does not set (as Inductor checks too)
     scratch = 0
     for size_name in ("global_scratch_size", "profile_scratch_size"):
         size = getattr(compiled.metadata, size_name, None)

@@ -122,6 +122,21 @@ def test_a_kernel_launch_relaunches_through_torchs_static_launcher_where_it_load
     assert isinstance(stream, int)
 
 
+def test_the_static_launch_passes_only_the_kernels_run_time_parameters():
+    """Triton's signature names every parameter; constexprs (declared, or an int of 1 Triton specialized into a
+    constant) are compiled in and not passed (as torch's launcher filters them)."""
+    from mla_inductor._compat import _runtime_positions
+
+    class Src:
+        class fn:
+            arg_names = ["X", "Y", "n", "one", "BLOCK"]
+
+        signature = {"X": "*bf16", "Y": "*fp32", "n": "i32", "one": "i32", "BLOCK": "constexpr"}
+        constants = {(3,): 1, (4,): 64}
+
+    assert _runtime_positions(Src) == [0, 1, 2]
+
+
 def test_a_kernel_launch_keeps_tritons_launcher_where_torch_cannot_load_the_kernel(as_if_on_cuda, monkeypatch):
     monkeypatch.setattr(launch_module, "static_triton_kernel", lambda compiled, device: None)
     kernel = _Kernel()
