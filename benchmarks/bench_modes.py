@@ -20,7 +20,8 @@ b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with 
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
    (``--all``: H=16 too). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
    that mode with one small copy kernel instead of the attention (what the compiled call itself costs: Dynamo's
-   guards, Inductor's wrapper, the CUDA-graph replay).
+   guards, Inductor's wrapper, the CUDA-graph replay). ``--b-profile`` then prints torch.profiler's kernel table
+   of each case's one-call graphs.
 c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp8_e4m3 too; H=128, S=4096,
    a step of ``--c-calls`` calls, CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile``
    (automatic dynamic), with ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for
@@ -195,7 +196,8 @@ QUICK_CASES = [(1, 128, "bf16"), (32, 128, "bf16"), (1, 128, "fp8_e4m3"), (128, 
 ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head counts (all with --all)
 
 
-def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results) -> None:
+def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
+            profile_b: bool = False) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -212,7 +214,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
                 if deadline.spent():
                     results.skip("b", label, "time limit")
                 else:
-                    one_call(case, results)
+                    one_call(case, results, profile=profile_b)
         except Exception as e:  # noqa: BLE001 - one case failing must not stop the others
             traceback.print_exc()
             results.skip("a" if "a" in parts else "b", label, f"failed: {type(e).__name__}: {str(e)[:200]}")
@@ -252,8 +254,9 @@ def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
     results.add("a", row)
 
 
-def one_call(case: Case, results: Results) -> None:
-    """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it)."""
+def one_call(case: Case, results: Results, profile: bool = False) -> None:
+    """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it).
+    ``profile``: then torch.profiler's kernel table of 3 calls in each mode (after this case's timings)."""
     qs, caches = [case.c["q"]], [case.kv_cache]
     peer_times = {name: median_ms(step.run) * 1e3 for name, step in peer_steps(case, 1, [{}], results, "b").items()}
     best_name, best = peer_kernels.fastest(peer_times)
@@ -262,6 +265,13 @@ def one_call(case: Case, results: Results) -> None:
         _time_ours(case, qs, caches, mode, best, row)
         row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
     results.add("b", row)
+    if profile:
+        for mode in ("compiled", "cudagraphs"):
+            step = OurStep(case, qs, caches, mode)
+            progress(f"--- torch.profiler, 3 one-call graphs of {case.label}, {mode}, by device time\n"
+                     + step_profile(step.run, "cuda", rows=20, callers=(), sort_by="device_time_total"))
+            del step
+            _free()
 
 
 def _one_copy(qs, caches, block_table, seq_lens, kv_scale):
@@ -449,7 +459,8 @@ def markdown(results: Results, env: dict, args) -> str:
                "eager_err", "compiled_err", "cudagraphs_err"]),
         "b": ("b. one-call compiled graph vs the fastest peer's single call (target <= 1.3)",
               ["case", "best_peer", "peer_us", "compiled_us", "compiled_ratio", "cudagraphs_us", "cudagraphs_ratio",
-               "compiled_floor_us", "cudagraphs_floor_us", "compiled_backend", "cudagraphs_backend", "compiled_err", "cudagraphs_err"]),
+               "compiled_floor_us", "cudagraphs_floor_us", "compiled_backend", "cudagraphs_backend", "compiled_err",
+               "cudagraphs_err"]),
         "c": ("c. one compiled function at B = 4, 8, 16, 64 vs the step compiled for that B alone (target <= 1.05, "
               "same backend)",
               ["fmt", "mode", "B", "us_per_call", "alone_us", "ratio", "recompiled", "backend", "alone_backend",
@@ -496,6 +507,9 @@ def main(argv=None) -> None:
                    help="part d on these configurations only, fmt:B,... (e.g. fp8_e4m3:1,fp8_ds_mla:64)")
     p.add_argument("--d-modes", type=lambda text: tuple(text.split(",")), default=None,
                    help=f"part d's modes, comma-separated among {', '.join(D_MODES)} (default: all)")
+    p.add_argument("--b-profile", action="store_true",
+                   help="part b: after each case's timings, print torch.profiler's kernel table of its one-call graphs "
+                        "(the profiler's session slows what follows it: later cases read slower)")
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -514,7 +528,7 @@ def main(argv=None) -> None:
     if "a" in args.parts or "b" in args.parts:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
-                (16, 128) if args.all else ONE_CALL_HEADS, deadline, results)
+                (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

@@ -135,11 +135,13 @@ def decode_calls(scale: float):
 WAITS_AND_COPIES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "aten::_to_copy")
 
 
-def step_profile(run, device: str, steps: int = 3, rows: int = 25, callers: tuple[str, ...] = WAITS_AND_COPIES) -> str:
-    """torch.profiler's table of ``steps`` calls of ``run`` (host and device time per op, by host time): where a
-    step's milliseconds go (a host plan, a copy, a device->host sync such as cudaStreamSynchronize, launches
-    between graphs), then who called each event named in ``callers`` (``event_callers``). The profiler's session
-    slows later CUDA calls of the process: run it after all timings."""
+def step_profile(run, device: str, steps: int = 3, rows: int = 25, callers: tuple[str, ...] = WAITS_AND_COPIES,
+                 sort_by: str = "cpu_time_total") -> str:
+    """torch.profiler's table of ``steps`` calls of ``run`` (host and device time per op, by ``sort_by``: host
+    time by default, ``"device_time_total"`` for the kernels): where a step's milliseconds go (a host plan, a
+    copy, a device->host sync such as cudaStreamSynchronize, launches between graphs), then who called each event
+    named in ``callers`` (``event_callers``). The profiler's session slows later CUDA calls of the process: run it
+    after all timings."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -149,7 +151,7 @@ def step_profile(run, device: str, steps: int = 3, rows: int = 25, callers: tupl
             run()
         if device == "cuda":
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows)
     return table + ("\n" + event_callers(prof.events(), callers) if callers else "")
 
 
