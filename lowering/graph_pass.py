@@ -108,7 +108,7 @@ class PlanOps:
     def note(self, backend, with_lse: bool, context: Optional[CallContext] = None) -> None:
         """Record the ops of ``backend`` as the pass is about to use them in ``context`` (what it says now: a
         test may change a backend's answers)."""
-        op, plan_op = backend.compiled_op(context), backend.plan_op()
+        op, plan_op = backend.compiled_op_for(context), backend.plan_op()
         out_only = None if with_lse or op is None else backend.out_only_op()
         if out_only is not None:
             self.out_only.add(out_only)
@@ -131,7 +131,7 @@ def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, cons
     call's place in its graph (a backend's op may depend on it)."""
     op = plan_op = out_only = quantized = None
     if backend is not None:
-        op, plan_op = backend.compiled_op(context), backend.plan_op()
+        op, plan_op = backend.compiled_op_for(context), backend.plan_op()
         out_only = None if with_lse or op is None else backend.out_only_op()
         quantized = backend.quantized_query_op(problem)
 

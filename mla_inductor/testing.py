@@ -142,7 +142,7 @@ def backend_call_paths(backend, args: tuple) -> list[tuple[str, torch.Tensor, to
         return paths
     plan = plan_op(*args) if plan_op is not None else []
     paths.append(("compiled_op", *op(*args, plan)))
-    uncaptured = backend.compiled_op(CallContext(calls_sharing_plan=1, captured=False))
+    uncaptured = backend.compiled_op_for(CallContext(calls_sharing_plan=1, captured=False))
     if uncaptured is not op:  # the op of graphs compiled without CUDA graphs, where it differs
         paths.append(("compiled_op (no CUDA graphs)", *uncaptured(*args, plan)))
     if backend.out_only_op() is not None:

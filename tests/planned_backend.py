@@ -86,7 +86,7 @@ class PlannedBackend(Backend):
     def supports(self, problem, capability):
         return None
 
-    def compiled_op(self, context=None):
+    def compiled_op(self):
         return torch.ops.mla_test.run.default
 
     def plan_op(self):

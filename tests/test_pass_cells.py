@@ -107,7 +107,7 @@ def test_each_cell_is_rewritten_into_the_selected_backend(fake_gpu, cap, fmt, sp
     gm = _traced_and_lowered(fmt, sparse)
     code = gm.code
     check = FileCheck().check_not("torch.ops.mla.paged_decode")
-    run, plan, first = backend.compiled_op(UNCAPTURED), backend.plan_op(), backend.decode_and_plan_op()
+    run, plan, first = backend.compiled_op_for(UNCAPTURED), backend.plan_op(), backend.decode_and_plan_op()
     if run is None:  # traced into aten ops (the reference): no opaque MLA kernel at all (only the record op)
         check.check_not("torch.ops.mla_")
     elif first is not None:  # the first layer makes the plan, the second takes it
@@ -141,6 +141,19 @@ def test_triton_keeps_its_split_workspace_only_in_graphs_without_cuda_graphs(fak
     assert "decode_keeping_workspace" not in code
 
 
+def test_a_backend_with_compiled_op_alone_serves_every_context():
+    """``compiled_op()`` stays the interface a backend (a user's too) implements; the pass asks
+    ``compiled_op_for(context)``, which answers it unless a backend overrides it."""
+    from mla_inductor.backends import Backend
+
+    class UsersBackend(Backend):
+        def compiled_op(self):
+            return "the user's op"
+
+    for context in (None, UNCAPTURED, CallContext(calls_sharing_plan=1, captured=True)):
+        assert UsersBackend().compiled_op_for(context) == "the user's op"
+
+
 def test_the_cells_reach_every_backend_but_xqa():
     """Every backend is some cell's choice except XQA (a fallback), whose rewrite is checked below."""
     chosen = {select_backend(example_problem("cuda", fmt, sparse, H, 64, batch=T), CAPABILITIES[cap],
@@ -160,7 +173,7 @@ def test_a_preference_changes_the_rewrite(fake_gpu, backend, cap, fmt):
     check = FileCheck().check_not("torch.ops.mla.paged_decode")
     if b.plan_op() is not None:
         check.check_count(_call(b.plan_op()), 1, exactly=True)
-    check.check_count(_call(b.compiled_op(UNCAPTURED)), 2, exactly=True).check_not("mla_flashmla").run(gm.code)
+    check.check_count(_call(b.compiled_op_for(UNCAPTURED)), 2, exactly=True).check_not("mla_flashmla").run(gm.code)
 
 
 # ----------------------------------------------------------------------------- FP8 queries made by the compiler
@@ -221,7 +234,7 @@ def test_fp8_cache_keeps_a_bf16_query_by_default(fake_gpu):
     fake_gpu(CAPABILITIES["SM90"])
     code = _lowered_fp8_query_layers(static_scale=False, allow=False)
     assert "mla_flashmla" not in code and "aten.amax" not in code and QUANTIZE_TO_E4M3 not in code, code
-    assert code.count(_call(get_backend("triton").compiled_op(UNCAPTURED))) == 2, code
+    assert code.count(_call(get_backend("triton").compiled_op_for(UNCAPTURED))) == 2, code
     problem = example_problem("cuda", "fp8_e4m3", False, H, 64, batch=T)
     sel = select_backend(problem, CAPABILITIES["SM90"], available=EVERYTHING, preference=())
     assert sel.backend == "triton" and "opt in with a static q_scale" in sel.reasons[0], sel

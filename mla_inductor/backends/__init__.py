@@ -6,9 +6,9 @@ A backend answers three questions and does one thing:
 - ``supports(problem, capability)``: None when it can run this call (``DecodeProblem``, the device's
   compute capability or None on CPU), else a one-line reason. Cheap, pure: the selection table and the
   Inductor pass call it on fake arguments.
-- ``compiled_op(context=None)``: the op the Inductor pass puts in place of ``mla.paged_decode_with_lse``, or
-  None to have the pass trace ``decode`` into aten ops (the reference); ``context`` is the call's
-  ``selection.CallContext`` (calls sharing its plan, CUDA graphs or not), for a backend whose op depends on it. Its arguments are the contract's eight
+- ``compiled_op()``: the op the Inductor pass puts in place of ``mla.paged_decode_with_lse``, or None
+  to have the pass trace ``decode`` into aten ops (the reference); ``compiled_op_for(context)`` (optional)
+  the same for a call in a given ``selection.CallContext``, for a backend whose op depends on it. Its arguments are the contract's eight
   followed by ``plan: list[Tensor]`` (empty for backends without ``plan_op``); it returns ``(out, lse)``
   with the contract's shapes and strides (``_common.decode_op`` defines such an op, fake included).
 - ``plan_op()``: None, or an op taking the contract's eight arguments and returning ``list[Tensor]``:
@@ -102,10 +102,13 @@ class Backend:
     def supports(self, problem: DecodeProblem, capability: Optional[tuple[int, int]]) -> Optional[str]:
         raise NotImplementedError
 
-    def compiled_op(self, context=None):
-        """The op compiled graphs call (None: the pass traces ``decode``). ``context``: the call's
-        ``selection.CallContext`` in its graph (None: unknown), for a backend whose op depends on it."""
+    def compiled_op(self):
         return None
+
+    def compiled_op_for(self, context):
+        """The op for a compiled call in ``context`` (its ``selection.CallContext``: calls sharing its plan, CUDA
+        graphs or not): ``compiled_op()`` unless a backend's op depends on where the call runs."""
+        return self.compiled_op()
 
     def plan_op(self):
         return None

@@ -473,7 +473,7 @@ class FlashInferWrapperBackend(Backend):
             return f"cache format {fmt} is not supported (bf16, fp16, fp8_e4m3)"
         return None
 
-    def compiled_op(self, context=None):
+    def compiled_op(self):
         return self._run_op
 
     def plan_op(self):
@@ -562,7 +562,7 @@ class FlashInferTableBackend(Backend):
             return f"cache format must be bf16 or fp8_e4m3, got {problem.cache_format}"
         return None
 
-    def compiled_op(self, context=None):
+    def compiled_op(self):
         return self._run_op
 
     def plan_op(self):

@@ -797,7 +797,7 @@ class FlashMLABackend(Backend):
                 return f"FlashMLA dense FP8 decode {OPT_IN}"
         return None
 
-    def compiled_op(self, context=None):
+    def compiled_op(self):
         return DECODE_OP
 
     # Without a plan a call builds its own metadata; with several layers one plan serves them all.

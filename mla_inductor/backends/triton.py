@@ -88,7 +88,10 @@ class TritonBackend(Backend):
             return f"rope dim must be one of {SUPPORTED_R}, got {problem.rope_dim}"
         return None
 
-    def compiled_op(self, context=None):
+    def compiled_op(self):
+        return DECODE_OP
+
+    def compiled_op_for(self, context):
         # A fresh split-KV workspace costs more host time than the merge launch it feeds (docs/benchmarks.md
         # section 4): kept where the graph is not captured by CUDA-graph trees.
         if context is not None and not context.captured:
