@@ -231,9 +231,9 @@ def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     # Gathered along dim 0, then rearranged here: for another dim, torch 2.11's all_gather_tensor calls a helper
     # Dynamo refuses to trace (torch._utils._maybe_view_chunk_cat), which broke compiled DCP steps.
     gathered = funcol.wait_tensor(gather(x, 0, group))
-    if dim % x.dim() == 0:
+    dim %= x.dim()
+    if dim == 0:
         return gathered
-    dim = dim % x.dim()
     world = torch.distributed.get_world_size(group)
     # [world·d0, ...] -> [world, d0, ...] -> rank blocks next to ``dim`` -> merged into it (also for d0 == 0).
     return gathered.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)

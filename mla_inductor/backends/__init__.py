@@ -8,9 +8,10 @@ A backend answers three questions and does one thing:
   Inductor pass call it on fake arguments.
 - ``compiled_op()``: the op the Inductor pass puts in place of ``mla.paged_decode_with_lse``, or None
   to have the pass trace ``decode`` into aten ops (the reference); ``compiled_op_for(context)`` (optional)
-  the same for a call in a given ``selection.CallContext``, for a backend whose op depends on it. Its arguments are the contract's eight
-  followed by ``plan: list[Tensor]`` (empty for backends without ``plan_op``); it returns ``(out, lse)``
-  with the contract's shapes and strides (``_common.decode_op`` defines such an op, fake included).
+  the same for a call in a given ``selection.CallContext``, for a backend whose op depends on it. Its
+  arguments are the contract's eight followed by ``plan: list[Tensor]`` (empty for backends without
+  ``plan_op``); it returns ``(out, lse)`` with the contract's shapes and strides (``_common.decode_op``
+  defines such an op, fake included).
 - ``plan_op()``: None, or an op taking the contract's eight arguments and returning ``list[Tensor]``:
   schedule metadata that depends only on block_table / seq_lens / sparse_indices and the static shapes.
   The pass calls it once per forward for all layers sharing those tensors, and hands its result to

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from mla_inductor._compat import raw_stream_query, static_triton_kernel
+from mla_inductor._compat import current_cuda_device, raw_stream_query, static_triton_kernel
 from mla_inductor._memo import Memo
 
 
@@ -44,8 +44,9 @@ def on_cuda(t: torch.Tensor) -> bool:
 
 
 def current_device() -> int:
-    """The current CUDA device: the one Triton launches on, and loads a compiled kernel for."""
-    return torch.cuda.current_device()
+    """The current CUDA device: the one Triton launches on, and loads a compiled kernel for (asked on every
+    relaunch: ``_compat.current_cuda_device``, without ``torch.cuda.current_device``'s Python wrapper)."""
+    return current_cuda_device()
 
 
 def aligned(tensors: tuple) -> bool:
