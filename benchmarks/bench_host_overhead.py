@@ -268,10 +268,18 @@ def fresh_compile(step: Callable) -> Callable:
     """``torch.compile`` of ``step`` (no CUDA graphs), lowered afresh: Inductor's caches would serve a graph
     compiled under another value-check policy."""
     compiled = torch.compile(step, fullgraph=True)
+    lowered = False
 
     def run(*args):
-        with lowered_afresh():
+        # Only the compiling call runs under the patched config: entering it costs ~60 us of host time per
+        # call (on this CPU), which would be timed as the op's.
+        nonlocal lowered
+        if lowered:
             return compiled(*args)
+        with lowered_afresh():
+            result = compiled(*args)
+        lowered = True
+        return result
 
     return run
 

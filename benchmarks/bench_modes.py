@@ -21,7 +21,9 @@ b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with 
    (``--all``: H=16 too). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
    that mode with one small copy kernel instead of the attention (what the compiled call itself costs: Dynamo's
    guards, Inductor's wrapper, the CUDA-graph replay). ``--b-profile`` then prints torch.profiler's kernel table
-   of each case's one-call graphs.
+   of each case's one-call graphs. ``--b-backends triton,flashmla`` adds a row per named backend after each
+   case's own: the same graphs with that backend preferred (``mla_inductor.prefer_backends``), timed in the
+   same process against the same peer time, which is how a selection row for one-call graphs is decided.
 c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp8_e4m3 too; H=128, S=4096,
    a step of ``--c-calls`` calls, CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile``
    (automatic dynamic), with ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for
@@ -48,6 +50,7 @@ once spent, and the report marks what was not run. ``--out DIR`` writes bench_mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 import traceback
@@ -197,7 +200,7 @@ ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head count
 
 
 def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
-            profile_b: bool = False) -> None:
+            profile_b: bool = False, b_backends: tuple[str, ...] = ()) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -214,7 +217,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
                 if deadline.spent():
                     results.skip("b", label, "time limit")
                 else:
-                    one_call(case, results, profile=profile_b)
+                    one_call(case, results, profile=profile_b, backends=b_backends)
         except Exception as e:  # noqa: BLE001 - one case failing must not stop the others
             traceback.print_exc()
             results.skip("a" if "a" in parts else "b", label, f"failed: {type(e).__name__}: {str(e)[:200]}")
@@ -254,17 +257,22 @@ def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
     results.add("a", row)
 
 
-def one_call(case: Case, results: Results, profile: bool = False) -> None:
+def one_call(case: Case, results: Results, profile: bool = False, backends: tuple[str, ...] = ()) -> None:
     """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it).
-    ``profile``: then torch.profiler's kernel table of 3 calls in each mode (after this case's timings)."""
+    ``profile``: then torch.profiler's kernel table of 3 calls in each mode (after this case's timings).
+    ``backends``: then a row per backend, the same graphs with it preferred."""
     qs, caches = [case.c["q"]], [case.kv_cache]
     peer_times = {name: median_ms(step.run) * 1e3 for name, step in peer_steps(case, 1, [{}], results, "b").items()}
     best_name, best = peer_kernels.fastest(peer_times)
-    row = dict(case=case.label, best_peer=best_name, peer_us=best)
-    for mode in ("compiled", "cudagraphs"):
-        _time_ours(case, qs, caches, mode, best, row)
-        row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
-    results.add("b", row)
+    for preferred in (None, *backends):
+        row = dict(case=case.label if preferred is None else f"{case.label}, {preferred} preferred",
+                   best_peer=best_name, peer_us=best)
+        with mla_inductor.prefer_backends(preferred) if preferred else contextlib.nullcontext():
+            for mode in ("compiled", "cudagraphs"):
+                _time_ours(case, qs, caches, mode, best, row)
+                if preferred is None:  # the floor does not call the op
+                    row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
+        results.add("b", row)
     if profile:
         for mode in ("compiled", "cudagraphs"):
             step = OurStep(case, qs, caches, mode)
@@ -510,6 +518,8 @@ def main(argv=None) -> None:
     p.add_argument("--b-profile", action="store_true",
                    help="part b: after each case's timings, print torch.profiler's kernel table of its one-call graphs "
                         "(the profiler's session slows what follows it: later cases read slower)")
+    p.add_argument("--b-backends", type=lambda text: tuple(text.split(",")), default=(),
+                   help="part b: after each case's row, a row per backend named (comma-separated) with it preferred")
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -528,7 +538,8 @@ def main(argv=None) -> None:
     if "a" in args.parts or "b" in args.parts:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
-                (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile)
+                (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile,
+                b_backends=args.b_backends)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

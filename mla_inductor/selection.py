@@ -64,6 +64,22 @@ class CallContext:
 # against 165-354 us for our Triton kernel alone (section 1).
 HOST_PLAN_MIN_CALLS = 2
 
+# The kinds of compiled graph a Row may be limited to (``graph_kind``): a whole step captured in CUDA graphs
+# (at least HOST_PLAN_MIN_CALLS calls share a plan: a kernel's own device time decides, not its host cost) and
+# a one-call graph (fewer share it: a layer compiled alone, an MTP draft layer; every kernel of the call and of
+# its plan runs once per graph call).
+CAPTURED_STEP = "whole steps in CUDA graphs"
+ONE_CALL_GRAPH = "one-call graphs"
+
+
+def graph_kind(context: Optional["CallContext"]) -> Optional[str]:
+    """``CAPTURED_STEP``, ``ONE_CALL_GRAPH`` or None (an eager call, a whole step without CUDA graphs)."""
+    if context is None:
+        return None
+    if context.calls_sharing_plan < HOST_PLAN_MIN_CALLS:
+        return ONE_CALL_GRAPH
+    return CAPTURED_STEP if context.captured else None
+
 
 @dataclass(frozen=True)
 class Row:
@@ -76,22 +92,19 @@ class Row:
     evidence: str
     max_batch: Optional[int] = None  # the row applies only to calls with a static batch size <= this
     max_heads: Optional[int] = None  # ... with a static head count <= this
-    # ... only to compiled calls of a whole step captured in CUDA graphs (a graph with at least
-    # HOST_PLAN_MIN_CALLS calls sharing a plan): there a kernel's own device time decides, not its host cost.
-    captured_steps_only: bool = False
+    graph: Optional[str] = None  # ... only to compiled calls in this kind of graph (CAPTURED_STEP, ONE_CALL_GRAPH)
 
     def matches(self, device: str, problem: DecodeProblem, context: Optional["CallContext"] = None) -> bool:
         return (self.device == device and problem.cache_format in self.formats and self.sparse == problem.sparse
                 and (self.max_batch is None or (problem.batch is not None and problem.batch <= self.max_batch))
                 and (self.max_heads is None or (problem.num_heads is not None and problem.num_heads <= self.max_heads))
-                and (not self.captured_steps_only or (context is not None and context.captured
-                                                      and context.calls_sharing_plan >= HOST_PLAN_MIN_CALLS)))
+                and (self.graph is None or graph_kind(context) == self.graph))
 
     def applies_to(self) -> str:
         """The calls the row is limited to, in words (docs/backends.md)."""
         limits = [f"static B ≤ {self.max_batch}" if self.max_batch is not None else "",
                   f"H ≤ {self.max_heads}" if self.max_heads is not None else "",
-                  "whole steps in CUDA graphs" if self.captured_steps_only else ""]
+                  self.graph or ""]
         return ", ".join(limit for limit in limits if limit) or "any"
 
 
@@ -110,7 +123,13 @@ TABLE: tuple[Row, ...] = (
         "Triton kernel 14.4 us per call against FlashInfer FA3's 19.8 (61 calls back to back, docs/benchmarks.md "
         "section 4, sixth run; at H=128 the two tie, 20.8 vs 20.75 us). Not eagerly or without CUDA graphs, where "
         "its two launches cost more host time than FA3's whole call",
-        max_batch=1, max_heads=16, captured_steps_only=True),
+        max_batch=1, max_heads=16, graph=CAPTURED_STEP),
+    Row("sm90", BF16, False, ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference"),
+        "H100, one sequence, a graph of one call (a layer compiled alone, an MTP draft layer): our Triton kernel's "
+        "two launches (split-KV decode 12.8 us + merge 6.3 us of device time at H=128) against FlashMLA's "
+        "schedule, kernel and combine (11.5 + 11.9 + 11.2 us), profiled in one-call graphs; FlashInfer FA3 plans "
+        "on the host every graph call (docs/benchmarks.md section 4, eighth run)",
+        max_batch=1, graph=ONE_CALL_GRAPH),
     Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
         "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
         "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",

@@ -277,15 +277,28 @@ def test_one_plan_per_step_across_separately_compiled_regions(planned_backend):
 # ----------------------------------------------------------------------------- selection by cost in context
 
 
-def test_a_one_call_graph_names_the_plan_cost(fake_sm90):
-    """B=1 bf16 on an H100: in a step of many layers FA3 wins (its host plan is shared by all of them); a
-    graph of one call cannot share it, so FlashMLA, which plans on the device, goes first, and the decision
-    says why."""
+def test_a_one_call_graph_at_batch_one_goes_to_triton(fake_sm90):
+    """B=1 bf16 on an H100: in a step of many layers FA3 wins (its host plan is shared by all of them); a graph
+    of one call goes to the one-call row, our Triton kernel (two launches, no plan; docs/benchmarks.md section 4,
+    eighth run)."""
     _, (many,) = lowered(4, "bf16", B=1)
     assert many.backend == "flashinfer_fa3" and many.context == CallContext(4, False)
     for captured in (False, True):
         _, (one,) = lowered(1, "bf16", B=1, captured=captured)
-        assert one.backend == "flashmla" and one.context == CallContext(1, captured)
+        assert one.backend == "triton" and one.context == CallContext(1, captured) and one.reasons == ()
+
+
+def test_a_one_call_graph_names_the_plan_cost(fake_sm90, monkeypatch):
+    """Without FlashMLA, FA3 leads the B=2 row; a graph of one call cannot share its host plan, so Triton, which
+    needs no plan, goes first, and the decision says why."""
+    from mla_inductor import backends
+
+    monkeypatch.setattr(backends, "availability", lambda: {**EVERYTHING, "flashmla": "not installed"})
+    _, (many,) = lowered(4, "bf16", B=2)
+    assert many.backend == "flashinfer_fa3"
+    for captured in (False, True):
+        _, (one,) = lowered(1, "bf16", B=2, captured=captured)
+        assert one.backend == "triton" and one.context == CallContext(1, captured)
         (why,) = [r for r in one.reasons if r.startswith("flashinfer_fa3:")]
         assert "plan cost not amortized" in why and "host plan" in why and "1 call" in why
         assert ("splits the CUDA graph" in why) == captured

@@ -52,13 +52,18 @@ def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
     (16, 1, CallContext(61, captured=True), "triton"),          # a whole step in CUDA graphs: device time decides
     (16, 1, CallContext(61, captured=False), "flashinfer_fa3"),  # compiled without graphs: Triton's launches cost
     (16, 1, None, "flashinfer_fa3"),                            # eager
-    (16, 1, CallContext(1, captured=True), "flashmla"),          # a per-layer graph: the FA3 row, its host plan moved
     (128, 1, CallContext(61, captured=True), "flashinfer_fa3"),  # H=128: a tie, the FA3 row
     (16, 2, CallContext(61, captured=True), "flashmla"),
+    # One-call graphs (a layer compiled alone, an MTP draft layer) at B=1: Triton's two kernels, any H.
+    (16, 1, CallContext(1, captured=True), "triton"),
+    (128, 1, CallContext(1, captured=True), "triton"),
+    (128, 1, CallContext(1, captured=False), "triton"),
+    (128, 2, CallContext(1, captured=True), "flashmla"),        # B >= 2: the general row, FA3's host plan moved
+    (128, 1, CallContext(2, captured=False), "flashinfer_fa3"),  # two calls share the plan: not a one-call graph
 ])
-def test_sm90_bf16_one_sequence_few_heads_in_a_captured_step_goes_to_triton(heads, batch, context, want):
-    """The row for captured whole steps at B=1, H <= 16 (docs/benchmarks.md section 4, sixth run) applies to
-    exactly those calls."""
+def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
+    """The rows for B=1 limited to a kind of graph (captured whole steps at H <= 16: docs/benchmarks.md section 4,
+    sixth run; one-call graphs at any H: eighth run) apply to exactly those calls."""
     problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
