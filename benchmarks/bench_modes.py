@@ -24,6 +24,8 @@ b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with 
    of each case's one-call graphs. ``--b-backends triton,flashmla`` adds a row per named backend after each
    case's own: the same graphs with that backend preferred (``mla_inductor.prefer_backends``), timed in the
    same process against the same peer time, which is how a selection row for one-call graphs is decided.
+   ``--b-rounds N`` times each case N times in turn (peers, rows, floors) and keeps each cell's fastest round:
+   a B=1 graph call is host-bound, and this host's speed drifts within one process.
 c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp8_e4m3 too; H=128, S=4096,
    a step of ``--c-calls`` calls, CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile``
    (automatic dynamic), with ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for
@@ -200,7 +202,7 @@ ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head count
 
 
 def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
-            profile_b: bool = False, b_backends: tuple[str, ...] = ()) -> None:
+            profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -217,7 +219,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
                 if deadline.spent():
                     results.skip("b", label, "time limit")
                 else:
-                    one_call(case, results, profile=profile_b, backends=b_backends)
+                    one_call(case, results, profile=profile_b, backends=b_backends, rounds=b_rounds)
         except Exception as e:  # noqa: BLE001 - one case failing must not stop the others
             traceback.print_exc()
             results.skip("a" if "a" in parts else "b", label, f"failed: {type(e).__name__}: {str(e)[:200]}")
@@ -257,21 +259,29 @@ def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
     results.add("a", row)
 
 
-def one_call(case: Case, results: Results, profile: bool = False, backends: tuple[str, ...] = ()) -> None:
+def one_call(case: Case, results: Results, profile: bool = False, backends: tuple[str, ...] = (),
+             rounds: int = 1) -> None:
     """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it).
     ``profile``: then torch.profiler's kernel table of 3 calls in each mode (after this case's timings).
-    ``backends``: then a row per backend, the same graphs with it preferred."""
+    ``backends``: then a row per backend, the same graphs with it preferred. ``rounds``: the whole case (peers,
+    each row's graphs, the floors) is timed this many times in turn, each cell keeping its fastest round."""
     qs, caches = [case.c["q"]], [case.kv_cache]
-    peer_times = {name: median_ms(step.run) * 1e3 for name, step in peer_steps(case, 1, [{}], results, "b").items()}
-    best_name, best = peer_kernels.fastest(peer_times)
-    for preferred in (None, *backends):
-        row = dict(case=case.label if preferred is None else f"{case.label}, {preferred} preferred",
-                   best_peer=best_name, peer_us=best)
-        with mla_inductor.prefer_backends(preferred) if preferred else contextlib.nullcontext():
-            for mode in ("compiled", "cudagraphs"):
-                _time_ours(case, qs, caches, mode, best, row)
-                if preferred is None:  # the floor does not call the op
-                    row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
+    labels = {preferred: case.label if preferred is None else f"{case.label}, {preferred} preferred"
+              for preferred in (None, *backends)}
+    rows: dict = {}
+    peers = peer_steps(case, 1, [{}], results, "b")
+    for _ in range(rounds):
+        peer_times = {name: median_ms(step.run) * 1e3 for name, step in peers.items()}
+        best_name, best = peer_kernels.fastest(peer_times)
+        for preferred, label in labels.items():
+            row = dict(case=label, best_peer=best_name, peer_us=best)
+            with mla_inductor.prefer_backends(preferred) if preferred else contextlib.nullcontext():
+                for mode in ("compiled", "cudagraphs"):
+                    _time_ours(case, qs, caches, mode, best, row)
+                    if preferred is None:  # the floor does not call the op
+                        row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
+            rows[preferred] = _fastest_round(rows.get(preferred), row)
+    for row in rows.values():
         results.add("b", row)
     if profile:
         for mode in ("compiled", "cudagraphs"):
@@ -280,6 +290,23 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
                      + step_profile(step.run, "cuda", rows=20, callers=(), sort_by="device_time_total"))
             del step
             _free()
+
+
+def _fastest_round(kept: Optional[dict], row: dict) -> dict:
+    """``row`` with each time the faster of ``kept``'s and its own (the peer's too), ratios recomputed."""
+    if kept is None:
+        return row
+    merged = dict(row)
+    for key, value in kept.items():
+        if key.endswith("_us") and isinstance(value, float) and (not isinstance(row.get(key), float)
+                                                                 or value < row[key]):
+            merged[key] = value
+            if key == "peer_us":
+                merged["best_peer"] = kept["best_peer"]
+    for mode in ("compiled", "cudagraphs"):
+        merged[f"{mode}_ratio"] = _ratio(merged.get(f"{mode}_us") if isinstance(merged.get(f"{mode}_us"), float)
+                                         else None, merged["peer_us"])
+    return merged
 
 
 def _one_copy(qs, caches, block_table, seq_lens, kv_scale):
@@ -520,6 +547,8 @@ def main(argv=None) -> None:
                         "(the profiler's session slows what follows it: later cases read slower)")
     p.add_argument("--b-backends", type=lambda text: tuple(text.split(",")), default=(),
                    help="part b: after each case's row, a row per backend named (comma-separated) with it preferred")
+    p.add_argument("--b-rounds", type=int, default=1,
+                   help="part b: time each case this many times in turn, keeping each cell's fastest round")
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -539,7 +568,7 @@ def main(argv=None) -> None:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
                 (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile,
-                b_backends=args.b_backends)
+                b_backends=args.b_backends, b_rounds=args.b_rounds)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)
