@@ -293,16 +293,17 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
 
 
 def _fastest_round(kept: Optional[dict], row: dict) -> dict:
-    """``row`` with each time the faster of ``kept``'s and its own (the peer's too), ratios recomputed."""
+    """``kept`` (the first round's row: later rounds compile from Inductor's cache and record no backend) with
+    each time the faster of its own and ``row``'s (the peer's too), ratios recomputed."""
     if kept is None:
         return row
-    merged = dict(row)
-    for key, value in kept.items():
-        if key.endswith("_us") and isinstance(value, float) and (not isinstance(row.get(key), float)
-                                                                 or value < row[key]):
+    merged = dict(kept)
+    for key, value in row.items():
+        if key.endswith("_us") and isinstance(value, float) and (not isinstance(kept.get(key), float)
+                                                                 or value < kept[key]):
             merged[key] = value
             if key == "peer_us":
-                merged["best_peer"] = kept["best_peer"]
+                merged["best_peer"] = row["best_peer"]
     for mode in ("compiled", "cudagraphs"):
         merged[f"{mode}_ratio"] = _ratio(merged.get(f"{mode}_us") if isinstance(merged.get(f"{mode}_us"), float)
                                          else None, merged["peer_us"])
