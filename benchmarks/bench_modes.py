@@ -33,7 +33,7 @@ c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp
 d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real attention dims, small dense
    MLP), context 4096, one decode step (``mla_inductor.hf.decode_one_token``) in four modes: the whole step
    compiled, with and without CUDA graphs, and each decoder layer compiled on its own (regional
-   compilation), with and without CUDA graphs (``hf.decode_one_token`` marks each CUDA-graph step itself),
+   compilation, ``hf.compile_layers``), with and without CUDA graphs (``hf.decode_one_token`` marks each CUDA-graph step itself),
    at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches (``--d-configs`` / ``--d-modes`` pick rows,
    ``--d-profile`` prints torch.profiler's table of each mode). Target: per layer + CUDA graphs <= 1.1x the
    whole step with CUDA graphs.
@@ -458,9 +458,8 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
     compile_mode = "reduce-overhead" if cudagraphs else None
     per_layer = mode.startswith("per_layer")
     layers = model.model.layers
-    if per_layer:  # regional compilation: every decoder layer compiled on its own (one graph, reused)
-        for layer in layers:
-            layer.forward = torch.compile(layer.forward, fullgraph=True, mode=compile_mode)
+    if per_layer:  # regional compilation: every decoder layer compiled on its own
+        hf.compile_layers(model, fullgraph=True, mode=compile_mode)
         step = hf.decode_one_token
     else:
         step = torch.compile(hf.decode_one_token, fullgraph=True, mode=compile_mode)

@@ -25,6 +25,8 @@ that needs it); ``import mla_inductor.hf`` alone imports nothing from it.
 
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -42,6 +44,7 @@ __all__ = [
     "DCPMLACache",  # noqa: F822 - lazy (module __getattr__: transformers is imported on first use)
     "PagedMLACache",
     "SUPPORTED_MODEL_TYPES",  # noqa: F822 - lazy, as above
+    "compile_layers",
     "decode_one_token",
     "generate",
     "prefill",
@@ -122,6 +125,34 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
     out = model(input_ids=tokens[:, None], position_ids=positions, past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
     return out.logits[:, -1]
+
+
+def compile_layers(model: nn.Module, **compile_kwargs) -> list[nn.Module]:
+    """Regional compilation: ``torch.compile(..., **compile_kwargs)`` each decoder layer of ``model`` on its own
+    (e.g. ``fullgraph=True, mode="reduce-overhead"``), then drive the step with ``decode_one_token`` uncompiled.
+    Returns the layers; ``del layer.forward`` undoes it.
+
+    Why not ``layer.forward = torch.compile(layer.forward)`` in a loop: each layer compiles to a graph of its
+    own (the cache routes by ``layer_idx``), and Dynamo keeps the graphs of one function together: at most
+    ``torch._dynamo.config.recompile_limit`` of them (8; a 61-layer DeepSeek-V3 fails with fullgraph=True and
+    runs its later layers uncompiled without it), each call checking the others' guards first. Here every layer
+    compiles a copy of the forward's code, so each has its own one-entry cache (the copies' graphs are alike,
+    so Inductor's cache serves most of the compile)."""
+    layers = getattr(model.get_decoder() if hasattr(model, "get_decoder") else model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TypeError(f"compile_layers: {type(model).__name__} has no decoder layers (model.get_decoder().layers)")
+    for i, layer in enumerate(layers):
+        forward = _own_code_copy(type(layer).forward, f"layer{i}")
+        layer.forward = torch.compile(types.MethodType(forward, layer), **compile_kwargs)
+    return list(layers)
+
+
+def _own_code_copy(fn: Callable, suffix: str) -> Callable:
+    """``fn`` with a copy of its code object (Dynamo caches compiled graphs per code object)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
 
 
 @torch.no_grad()

@@ -381,6 +381,53 @@ def test_gpu_decode_one_token_marks_each_step_for_cuda_graphs_when_not_compiled_
     assert decode_steps_counting_marks(monkeypatch, "cuda", compiled_steps=2) == 2
 
 
+def _recompile_limit_name() -> str:
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def decode_logits_per_layer(model, compile_layer) -> torch.Tensor:
+    """Two decode steps after a prompt with each decoder layer compiled by ``compile_layer(model)``; the second
+    step's logits."""
+    ids, mask = left_padded_prompts(seed=21)
+    cache = use_mla(model, batch=4)
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        compile_layer(model)
+        try:
+            token = hf.decode_one_token(model, token, cache).argmax(-1)
+            return hf.decode_one_token(model, token, cache)
+        finally:
+            for layer in model.model.layers:
+                layer.__dict__.pop("forward", None)
+
+
+def test_compile_layers_gives_every_layer_its_own_graph_cache():
+    """Compiled one by one through the same forward, the layers share Dynamo's per-function cache and its limit
+    (8 graphs: a 61-layer model fails under fullgraph=True); compile_layers gives each its own. The limit is
+    lowered to 2 here so that a 3-layer model shows it."""
+    torch._dynamo.reset()
+    model = make_model("v3_yarn", layers=3, first_k_dense_replace=3)
+    want = decode_logits_per_layer(model, lambda m: None)
+
+    def same_function(m):
+        for layer in m.model.layers:
+            layer.forward = torch.compile(layer.forward, fullgraph=True, backend="eager")
+
+    with torch._dynamo.config.patch(**{_recompile_limit_name(): 2}):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="[Rr]ecompile|fullgraph=True"):
+            decode_logits_per_layer(model, same_function)
+        torch._dynamo.reset()
+        got = decode_logits_per_layer(model, lambda m: hf.compile_layers(m, fullgraph=True, backend="eager"))
+    torch.testing.assert_close(got, want)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # undone by del layer.forward
+
+
+def test_compile_layers_names_what_it_cannot_compile():
+    with pytest.raises(TypeError, match="no decoder layers"):
+        hf.compile_layers(torch.nn.Linear(2, 2))
+
+
 def test_capacity_is_still_checked_without_reading_the_device_each_step():
     """The host-side bound (columns seen) lets steps skip the device read; past it the device is read and a
     sequence that would outgrow max_seq_len is refused, in a chunk and in a step."""
