@@ -185,3 +185,33 @@ def test_step_profile_names_who_waits_for_the_device():
     text = report.step_profile(lambda: _reads_a_length_on_the_host(x), "cpu", steps=2)
     line = next(row for row in text.splitlines() if "aten::_local_scalar_dense <-" in row)
     assert "_reads_a_length_on_the_host" in line and line.split()[0] == "2", line
+
+
+def test_bench_modes_part_b_rounds_keep_each_cells_fastest_and_the_first_rounds_backends(monkeypatch):
+    """``--b-rounds``: each cell (the peer's time too) is the fastest of the rounds, ratios are recomputed from
+    them, and the backend names are the first round's (later rounds' graphs record no new decision)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench_modes = load_benchmark("bench_modes")
+    peer_times = iter([30.0, 20.0, 25.0])  # ms -> the best peer per round: 30, 20, 25 ms
+    ours = iter([90.0, 40.0, 50.0, 35.0, 70.0, 60.0])  # (compiled, cudagraphs) per round, default row only
+    floors = iter([5.0, 9.0, 4.0, 12.0, 6.0, 10.0])
+    rounds_seen = []
+
+    def time_ours(case, qs, caches, mode, best, row):
+        row[f"{mode}_us"] = next(ours)
+        row[f"{mode}_backend"] = "triton" if not rounds_seen else "cached graph"
+        if mode == "cudagraphs":
+            rounds_seen.append(1)
+
+    monkeypatch.setattr(bench_modes, "peer_steps", lambda *a: {"fa3": type("S", (), {"run": None})()})
+    monkeypatch.setattr(bench_modes, "median_ms", lambda run: next(peer_times) / 1e3)
+    monkeypatch.setattr(bench_modes, "_time_ours", time_ours)
+    monkeypatch.setattr(bench_modes, "floor_us", lambda case, qs, caches, mode: next(floors))
+    case = type("C", (), {"c": {"q": None}, "kv_cache": None, "label": "B=1 H=128 bf16"})()
+    results = bench_modes.Results()
+    bench_modes.one_call(case, results, rounds=3)
+    (row,) = results.rows["b"]
+    assert (row["peer_us"], row["compiled_us"], row["cudagraphs_us"]) == (20.0, 50.0, 35.0)
+    assert (row["compiled_floor_us"], row["cudagraphs_floor_us"]) == (4.0, 9.0)
+    assert row["compiled_ratio"] == 50.0 / 20.0 and row["cudagraphs_ratio"] == 35.0 / 20.0
+    assert row["compiled_backend"] == row["cudagraphs_backend"] == "triton"
