@@ -33,10 +33,10 @@ c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp
 d. The 8-layer DeepSeek-V3-shaped HF model (``bench_e2e.build_model``: real attention dims, small dense
    MLP), context 4096, one decode step (``mla_inductor.hf.decode_one_token``) in four modes: the whole step
    compiled, with and without CUDA graphs, and each decoder layer compiled on its own (regional
-   compilation, ``hf.compile_layers``), with and without CUDA graphs (``hf.decode_one_token`` marks each CUDA-graph step itself),
-   at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches (``--d-configs`` / ``--d-modes`` pick rows,
-   ``--d-profile`` prints torch.profiler's table of each mode). Target: per layer + CUDA graphs <= 1.1x the
-   whole step with CUDA graphs.
+   compilation, ``hf.compile_layers``), with and without CUDA graphs (``hf.decode_one_token`` marks each
+   CUDA-graph step itself), at B in {1, 16, 64}, bf16 / fp8_e4m3 / fp8_ds_mla caches (``--d-configs`` /
+   ``--d-modes`` pick rows, ``--d-profile`` prints torch.profiler's table of each mode). Target: per layer +
+   CUDA graphs <= 1.1x the whole step with CUDA graphs.
 
 Timing: ``triton.testing.do_bench`` median (parts a-c): CUDA events around each step, L2 flushed before it, no
 host sync between steps; where the host is slower than the kernels (B=1: a direct call's Python and launches take

@@ -136,8 +136,8 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> list[nn.Module]:
     own (the cache routes by ``layer_idx``), and Dynamo keeps the graphs of one function together: at most
     ``torch._dynamo.config.recompile_limit`` of them (8; a 61-layer DeepSeek-V3 fails with fullgraph=True and
     runs its later layers uncompiled without it), each call checking the others' guards first. Here every layer
-    compiles a copy of the forward's code, so each has its own one-entry cache (the copies' graphs are alike,
-    so Inductor's cache serves most of the compile)."""
+    compiles a copy of the forward's code, so each has its own one-entry cache (Dynamo traces every layer;
+    the copies' graphs are alike, so Inductor's FX-graph cache can serve the later ones)."""
     layers = getattr(model.get_decoder() if hasattr(model, "get_decoder") else model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise TypeError(f"compile_layers: {type(model).__name__} has no decoder layers (model.get_decoder().layers)")

@@ -133,7 +133,8 @@ def backend_call_paths(backend, args: tuple) -> list[tuple[str, torch.Tensor, to
     """Run one call through every path a backend offers, as ``(what, out, lse)``: ``decode`` (what eager
     dispatch calls), then what a compiled graph calls (the Inductor pass's replacement): the plan op once and
     the decode op with that plan (and the one of graphs compiled without CUDA graphs, where it differs), the
-    out-only op (lse: the decode op's) and the decode-and-plan op where the backend has them. A backend without ops is traced by the pass from ``decode``: nothing more to call."""
+    out-only op (lse: the decode op's) and the decode-and-plan op where the backend has them. A backend without
+    ops is traced by the pass from ``decode``: nothing more to call."""
     from mla_inductor.selection import CallContext
 
     paths = [("decode", *backend.decode(*args))]

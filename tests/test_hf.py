@@ -381,10 +381,6 @@ def test_gpu_decode_one_token_marks_each_step_for_cuda_graphs_when_not_compiled_
     assert decode_steps_counting_marks(monkeypatch, "cuda", compiled_steps=2) == 2
 
 
-def _recompile_limit_name() -> str:
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 def decode_logits_per_layer(model, compile_layer) -> torch.Tensor:
     """Two decode steps after a prompt with each decoder layer compiled by ``compile_layer(model)``; the second
     step's logits."""
@@ -413,7 +409,7 @@ def test_compile_layers_gives_every_layer_its_own_graph_cache():
         for layer in m.model.layers:
             layer.forward = torch.compile(layer.forward, fullgraph=True, backend="eager")
 
-    with torch._dynamo.config.patch(**{_recompile_limit_name(): 2}):
+    with torch._dynamo.config.patch(recompile_limit=2):
         torch._dynamo.reset()
         with pytest.raises(Exception, match="[Rr]ecompile|fullgraph=True"):
             decode_logits_per_layer(model, same_function)
