@@ -82,7 +82,6 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     dispatch itself on every call (these ops run once per layer and step, eagerly or from compiled code).
     No autograd formula: inference only.
     """
-    namespace, name = qualname.split("::")
     plan_arg = ", Tensor[] plan" if takes_plan else "=None"  # ops without a plan may omit sparse_indices
     schema = f"({DECODE_ARGS_SCHEMA}{plan_arg}) -> {_RETURNS[returns]}"
     fake = fake or _DEFAULT_FAKES[returns]
@@ -96,9 +95,16 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
         return impl(*args)
 
     full.__doc__ = impl.__doc__
+    return library_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else ())
+
+
+def library_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = ()):
+    """Define the op ``qualname`` ("namespace::name") with ``schema`` (arguments and returns), computed by
+    ``impl`` and faked by ``fake``, with the low-level Library API (see ``decode_op``); its OpOverload."""
+    namespace, name = qualname.split("::")
     lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *(CUDAGRAPH_UNSAFE_TAGS if host_plan else ())))
-    lib.impl(name, full, "CompositeExplicitAutograd")
+    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
+    lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(qualname, fake, lib=lib)
     return getattr(getattr(torch.ops, namespace), name).default
 

@@ -82,6 +82,7 @@ from mla_inductor.backends._common import (
     cuda_reason,
     decode_op,
     kernel_lengths,
+    library_op,
     quantize_query_fp8,
     skips_empty_calls,
     sm,
@@ -710,22 +711,19 @@ DECODE_AND_PLAN_OP = decode_op(
     "mla_flashmla::decode_and_plan", _decode_and_plan_list, returns="out_lse_plan", takes_plan=False,
     fake=lambda *args: list(empty_decode_outputs(args[0])) + _fake_plan(*args))
 
-_QUANTIZED_QUERY_SCHEMA = ("(Tensor q, Tensor q_descale, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-                           "float softmax_scale, Tensor kv_scale, Tensor? sparse_indices, Tensor[] plan, "
-                           "ScalarType out_dtype) -> (Tensor, Tensor)")
-_quantized_query_op = torch.library.custom_op("mla_flashmla::decode_quantized_query", decode_quantized_query,
-                                              mutates_args=(), schema=_QUANTIZED_QUERY_SCHEMA)
-
-
-@_quantized_query_op.register_fake
-def _(q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan, out_dtype):
+def _fake_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                          plan, out_dtype):
     T, H, _ = q.shape
     return q.new_empty((T, H, HEAD_DIM_V), dtype=out_dtype), q.new_empty((T, H), dtype=torch.float32)
 
 
 # dense_fp8 on a query already in e4m3: q [T, H, 576] float8_e4m3fn, q_descale [1] fp32, then the contract's
 # cache arguments, the plan and the output dtype -> (out [T, H, 512], lse [T, H] fp32).
-QUANTIZED_QUERY_OP = torch.ops.mla_flashmla.decode_quantized_query.default
+QUANTIZED_QUERY_OP = library_op(
+    "mla_flashmla::decode_quantized_query",
+    "(Tensor q, Tensor q_descale, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale, "
+    "Tensor kv_scale, Tensor? sparse_indices, Tensor[] plan, ScalarType out_dtype) -> (Tensor, Tensor)",
+    decode_quantized_query, _fake_quantized_query)
 
 
 # ----------------------------------------------------------------------------- the backend
