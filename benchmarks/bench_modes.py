@@ -15,10 +15,14 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    (``peers.direct_step``, which bench_host_overhead times too). Ours plans once per step: before every step
    seq_lens is marked written (its version counter bumped, its host copy registered again, as
    ``PagedLatentCache.reserve`` leaves it), so a plan cached from the previous step is never reused. Targets:
-   ours / fastest peer <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs).
+   ours / fastest peer <= 1.5 (eager), <= 1.2 (compiled), <= 1.0 (CUDA graphs). An fp8_e4m3 case gets two
+   rows, one per query precision, each against the peers computing that way: "bf16 q" (our default; FlashInfer's
+   fp8 wrappers) and "e4m3 q" (ours under ``mla_inductor.allow_fp8_query()``; every peer, FlashMLA's FP8 kernel
+   included, whose e4m3 query costs about 10x the error: ``peers.QUERY_IN_E4M3``). ``--a-rounds N`` times each
+   case N times in turn (peers and our three modes), each cell keeping its fastest round (as ``--b-rounds``).
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
-   (``--all``: H=16 too). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
+   (``--all``: H=16 too; fp8_e4m3 cases in both query precisions, as in a). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
    that mode with one small copy kernel instead of the attention (what the compiled call itself costs: Dynamo's
    guards, Inductor's wrapper, the CUDA-graph replay). ``--b-profile`` then prints torch.profiler's kernel table
    of each case's one-call graphs. ``--b-backends triton,flashmla`` adds a row per named backend after each
@@ -202,7 +206,7 @@ ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head count
 
 
 def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
-            profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1) -> None:
+            profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1, a_rounds: int = 1) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -214,7 +218,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
         try:
             case = make_case(B, H, fmt)
             if "a" in parts:
-                back_to_back(case, results, deadline)
+                back_to_back(case, results, deadline, rounds=a_rounds)
             if "b" in parts and H in one_call_heads:
                 if deadline.spent():
                     results.skip("b", label, "time limit")
@@ -242,21 +246,53 @@ def _time_ours(case: Case, qs, caches, mode: str, best: float, row: dict) -> Non
     _free()
 
 
-def back_to_back(case: Case, results: Results, deadline: Deadline) -> None:
+def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int = 1) -> None:
+    """Part a's rows of one case. ``rounds``: peers and rows timed this many times in turn, each cell keeping
+    its fastest round (as part b's ``rounds``)."""
     qs, caches, layers = peer_kernels.back_to_back_inputs(case, CALLS)
-    peer_times = {}
-    for name, step in peer_steps(case, CALLS, layers, results, "a").items():
-        peer_times[name] = median_ms(step.run) * 1e3 / CALLS
-        progress(f"  peer {name:<20} {peer_times[name]:8.1f} us/call  "
-                 f"err={relative_error(step.first, case.reference):.1e}")
-    best_name, best = peer_kernels.fastest(peer_times)
-    row = dict(case=case.label, best_peer=best_name, peer_us=best)
-    for mode in ("eager", "compiled", "cudagraphs"):
-        if deadline.spent():
-            row[f"{mode}_us"] = "time limit"
-            continue
-        _time_ours(case, qs, caches, mode, best, row)
-    results.add("a", row)
+    steps = peer_steps(case, CALLS, layers, results, "a")
+    rows: dict = {}
+    for _ in range(rounds):
+        peer_times = {}
+        for name, step in steps.items():
+            peer_times[name] = median_ms(step.run) * 1e3 / CALLS
+            progress(f"  peer {name:<20} {peer_times[name]:8.1f} us/call  "
+                     f"err={relative_error(step.first, case.reference):.1e}")
+        for suffix, e4m3_query in query_classes(case):
+            best_name, best = peer_kernels.fastest(peers_of_class(peer_times, e4m3_query))
+            row = dict(case=case.label + suffix, best_peer=best_name, peer_us=best)
+            with query_context(e4m3_query):
+                for mode in A_MODES:
+                    if deadline.spent():
+                        row[f"{mode}_us"] = "time limit"
+                        continue
+                    _time_ours(case, qs, caches, mode, best, row)
+            rows[suffix] = _fastest_round(rows.get(suffix), row, A_MODES)
+    for row in rows.values():
+        results.add("a", row)
+
+
+A_MODES = ("eager", "compiled", "cudagraphs")
+B_MODES = ("compiled", "cudagraphs")
+
+
+def query_classes(case: Case) -> list[tuple[str, bool]]:
+    """(label suffix, whether q is in e4m3) of the rows a case gets. fp8 caches get two: q kept in bf16 (our
+    default) and q in e4m3 (the caller opted in with ``allow_fp8_query``), each against the peers computing
+    the same way (``peers_of_class``): the e4m3 query costs about 10x the error."""
+    if case.fmt != "fp8_e4m3":
+        return [("", False)]
+    return [(", bf16 q", False), (", e4m3 q (allow_fp8_query)", True)]
+
+
+def peers_of_class(times: dict, e4m3_query: bool) -> dict:
+    """The peers' times a row of that query class is held against: all of them for an e4m3 query, else those
+    keeping q in bf16."""
+    return times if e4m3_query else {n: t for n, t in times.items() if n not in peer_kernels.QUERY_IN_E4M3}
+
+
+def query_context(e4m3_query: bool):
+    return mla_inductor.allow_fp8_query() if e4m3_query else contextlib.nullcontext()
 
 
 def one_call(case: Case, results: Results, profile: bool = False, backends: tuple[str, ...] = (),
@@ -266,21 +302,27 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
     ``backends``: then a row per backend, the same graphs with it preferred. ``rounds``: the whole case (peers,
     each row's graphs, the floors) is timed this many times in turn, each cell keeping its fastest round."""
     qs, caches = [case.c["q"]], [case.kv_cache]
-    labels = {preferred: case.label if preferred is None else f"{case.label}, {preferred} preferred"
-              for preferred in (None, *backends)}
+    variants = [(suffix, e4m3_query, preferred) for suffix, e4m3_query in query_classes(case)
+                for preferred in (None, *backends)]
     rows: dict = {}
     peers = peer_steps(case, 1, [{}], results, "b")
     for _ in range(rounds):
         peer_times = {name: median_ms(step.run) * 1e3 for name, step in peers.items()}
-        best_name, best = peer_kernels.fastest(peer_times)
-        for preferred, label in labels.items():
+        floors = {}  # the floor does not call the op: once per round, shown on each variant's row
+        for variant in variants:
+            suffix, e4m3_query, preferred = variant
+            best_name, best = peer_kernels.fastest(peers_of_class(peer_times, e4m3_query))
+            label = case.label + suffix + ("" if preferred is None else f", {preferred} preferred")
             row = dict(case=label, best_peer=best_name, peer_us=best)
-            with mla_inductor.prefer_backends(preferred) if preferred else contextlib.nullcontext():
-                for mode in ("compiled", "cudagraphs"):
+            with query_context(e4m3_query), (mla_inductor.prefer_backends(preferred) if preferred
+                                             else contextlib.nullcontext()):
+                for mode in B_MODES:
                     _time_ours(case, qs, caches, mode, best, row)
-                    if preferred is None:  # the floor does not call the op
-                        row[f"{mode}_floor_us"] = floor_us(case, qs, caches, mode)
-            rows[preferred] = _fastest_round(rows.get(preferred), row)
+                    if preferred is None:
+                        if mode not in floors:
+                            floors[mode] = floor_us(case, qs, caches, mode)
+                        row[f"{mode}_floor_us"] = floors[mode]
+            rows[variant] = _fastest_round(rows.get(variant), row)
     for row in rows.values():
         results.add("b", row)
     if profile:
@@ -292,7 +334,7 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
             _free()
 
 
-def _fastest_round(kept: Optional[dict], row: dict) -> dict:
+def _fastest_round(kept: Optional[dict], row: dict, modes: tuple = B_MODES) -> dict:
     """``kept`` (the first round's row: later rounds compile from Inductor's cache and record no backend) with
     each time the faster of its own and ``row``'s (the peer's too), ratios recomputed."""
     if kept is None:
@@ -304,7 +346,7 @@ def _fastest_round(kept: Optional[dict], row: dict) -> dict:
             merged[key] = value
             if key == "peer_us":
                 merged["best_peer"] = row["best_peer"]
-    for mode in ("compiled", "cudagraphs"):
+    for mode in modes:
         merged[f"{mode}_ratio"] = _ratio(merged.get(f"{mode}_us") if isinstance(merged.get(f"{mode}_us"), float)
                                          else None, merged["peer_us"])
     return merged
@@ -542,6 +584,8 @@ def main(argv=None) -> None:
                    help="part d on these configurations only, fmt:B,... (e.g. fp8_e4m3:1,fp8_ds_mla:64)")
     p.add_argument("--d-modes", type=lambda text: tuple(text.split(",")), default=None,
                    help=f"part d's modes, comma-separated among {', '.join(D_MODES)} (default: all)")
+    p.add_argument("--a-rounds", type=int, default=1,
+                   help="part a: time each case this many times in turn, keeping each cell's fastest round")
     p.add_argument("--b-profile", action="store_true",
                    help="part b: after each case's timings, print torch.profiler's kernel table of its one-call graphs "
                         "(the profiler's session slows what follows it: later cases read slower)")
@@ -568,7 +612,7 @@ def main(argv=None) -> None:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
                 (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile,
-                b_backends=args.b_backends, b_rounds=args.b_rounds)
+                b_backends=args.b_backends, b_rounds=args.b_rounds, a_rounds=args.a_rounds)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

@@ -207,7 +207,7 @@ def test_bench_modes_part_b_rounds_keep_each_cells_fastest_and_the_first_rounds_
     monkeypatch.setattr(bench_modes, "median_ms", lambda run: next(peer_times) / 1e3)
     monkeypatch.setattr(bench_modes, "_time_ours", time_ours)
     monkeypatch.setattr(bench_modes, "floor_us", lambda case, qs, caches, mode: next(floors))
-    case = type("C", (), {"c": {"q": None}, "kv_cache": None, "label": "B=1 H=128 bf16"})()
+    case = type("C", (), {"c": {"q": None}, "kv_cache": None, "label": "B=1 H=128 bf16", "fmt": "bf16"})()
     results = bench_modes.Results()
     bench_modes.one_call(case, results, rounds=3)
     (row,) = results.rows["b"]
@@ -215,3 +215,46 @@ def test_bench_modes_part_b_rounds_keep_each_cells_fastest_and_the_first_rounds_
     assert (row["compiled_floor_us"], row["cudagraphs_floor_us"]) == (4.0, 9.0)
     assert row["compiled_ratio"] == 50.0 / 20.0 and row["cudagraphs_ratio"] == 35.0 / 20.0
     assert row["compiled_backend"] == row["cudagraphs_backend"] == "triton"
+
+
+def test_bench_modes_holds_an_fp8_case_against_peers_of_its_query_precision(monkeypatch):
+    """An fp8_e4m3 case gets a row per query precision: q in bf16 (our default) against the peers keeping q in
+    bf16 only, and q in e4m3 (our op under ``allow_fp8_query``) against every peer. Parts a and b alike."""
+    from mla_inductor.selection import fp8_query_allowed
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench_modes = load_benchmark("bench_modes")
+    e4m3_peer, bf16_peer = sorted(peers.QUERY_IN_E4M3)[0], "flashinfer_fa3_fp8"
+    peer_ms = {e4m3_peer: 10.0, bf16_peer: 30.0}  # the e4m3-query peer is the faster
+    steps = {name: type("S", (), {"run": name, "first": None})() for name in peer_ms}
+    opted_in = []
+
+    def time_ours(case, qs, caches, mode, best, row):
+        opted_in.append(fp8_query_allowed())
+        row[f"{mode}_us"] = 1.0
+
+    monkeypatch.setattr(bench_modes, "peer_steps", lambda *a: steps)
+    monkeypatch.setattr(bench_modes, "median_ms", lambda run: peer_ms[run] / 1e3 * bench_modes.CALLS)
+    monkeypatch.setattr(bench_modes, "_time_ours", time_ours)
+    monkeypatch.setattr(bench_modes, "floor_us", lambda *a: 1.0)
+    monkeypatch.setattr(bench_modes, "relative_error", lambda *a: 0.0)
+    monkeypatch.setattr(peers, "back_to_back_inputs", lambda case, calls: ([], [], []))
+    case = type("C", (), {"c": {"q": None}, "kv_cache": None, "label": "B=1 H=128 fp8_e4m3", "fmt": "fp8_e4m3",
+                          "reference": None})()
+    results = bench_modes.Results()
+    bench_modes.back_to_back(case, results, bench_modes.Deadline(60), rounds=2)
+    rows = results.rows["a"]
+    assert [(r["case"], r["best_peer"], round(r["peer_us"], 6)) for r in rows] == [
+        ("B=1 H=128 fp8_e4m3, bf16 q", bf16_peer, 30.0),
+        ("B=1 H=128 fp8_e4m3, e4m3 q (allow_fp8_query)", e4m3_peer, 10.0),
+    ]
+    assert opted_in == ([False] * 3 + [True] * 3) * 2  # eager, compiled, CUDA graphs per row, two rounds
+    assert not fp8_query_allowed()
+
+    peer_ms = {name: ms / bench_modes.CALLS for name, ms in peer_ms.items()}  # part b: single calls
+    monkeypatch.setattr(bench_modes, "median_ms", lambda run: peer_ms[run] / 1e3)
+    opted_in.clear()
+    bench_modes.one_call(case, results)
+    assert [(r["case"], r["best_peer"]) for r in results.rows["b"]] == [
+        ("B=1 H=128 fp8_e4m3, bf16 q", bf16_peer), ("B=1 H=128 fp8_e4m3, e4m3 q (allow_fp8_query)", e4m3_peer)]
+    assert opted_in == [False] * 2 + [True] * 2
