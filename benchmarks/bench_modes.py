@@ -19,7 +19,8 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    rows, one per query precision, each against the peers computing that way: "bf16 q" (our default; FlashInfer's
    fp8 wrappers) and "e4m3 q" (ours under ``mla_inductor.allow_fp8_query()``; every peer, FlashMLA's FP8 kernel
    included, whose e4m3 query costs about 10x the error: ``peers.QUERY_IN_E4M3``). ``--a-rounds N`` times each
-   case N times in turn (peers and our three modes), each cell keeping its fastest round (as ``--b-rounds``).
+   case N times in turn (peers and our three modes; every other round ours first), each cell keeping its
+   fastest round (as ``--b-rounds``).
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
    (``--all``: H=16 too; fp8_e4m3 cases in both query precisions, as in a). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
@@ -29,7 +30,8 @@ b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with 
    case's own: the same graphs with that backend preferred (``mla_inductor.prefer_backends``), timed in the
    same process against the same peer time, which is how a selection row for one-call graphs is decided.
    ``--b-rounds N`` times each case N times in turn (peers, rows, floors) and keeps each cell's fastest round:
-   a B=1 graph call is host-bound, and this host's speed drifts within one process.
+   a B=1 graph call is host-bound, and this host's speed drifts within one process. Every other round times our
+   rows before the peers (``ours_first``), so that a drift favours neither side.
 c. One compiled function called at B = 4, 8, 16, 64 in turn (bf16, ``--all``: fp8_e4m3 too; H=128, S=4096,
    a step of ``--c-calls`` calls, CUDA graphs unless ``--c-no-cudagraphs``) with default ``torch.compile``
    (automatic dynamic), with ``dynamic=True`` and with ``mark_dynamic``, against the same step compiled for
@@ -231,12 +233,12 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
             _free()
 
 
-def _time_ours(case: Case, qs, caches, mode: str, best: float, row: dict) -> None:
-    """Time our step in one mode and write its µs, ratio to ``best``, backend and error into ``row``."""
+def _time_ours(case: Case, qs, caches, mode: str, row: dict) -> None:
+    """Time our step in one mode and write its µs, backend and error into ``row`` (``with_peer``: the ratio)."""
     try:
         ours = OurStep(case, qs, caches, mode)
         us = ours.us_per_call()
-        row[f"{mode}_us"], row[f"{mode}_ratio"] = us, _ratio(us, best)
+        row[f"{mode}_us"] = us
         row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
         row[f"{mode}_err"] = relative_error(ours.first.float(), case.reference)
         del ours
@@ -251,25 +253,48 @@ def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int =
     its fastest round (as part b's ``rounds``)."""
     qs, caches, layers = peer_kernels.back_to_back_inputs(case, CALLS)
     steps = peer_steps(case, CALLS, layers, results, "a")
-    rows: dict = {}
-    for _ in range(rounds):
-        peer_times = {}
+
+    def time_peers() -> dict:
+        times = {}
         for name, step in steps.items():
-            peer_times[name] = median_ms(step.run) * 1e3 / CALLS
-            progress(f"  peer {name:<20} {peer_times[name]:8.1f} us/call  "
+            times[name] = median_ms(step.run) * 1e3 / CALLS
+            progress(f"  peer {name:<20} {times[name]:8.1f} us/call  "
                      f"err={relative_error(step.first, case.reference):.1e}")
+        return times
+
+    rows: dict = {}
+    for round_index in range(rounds):
+        peer_times = None if ours_first(round_index) else time_peers()
+        timed = {}
         for suffix, e4m3_query in query_classes(case):
-            best_name, best = peer_kernels.fastest(peers_of_class(peer_times, e4m3_query))
-            row = dict(case=case.label + suffix, best_peer=best_name, peer_us=best)
+            row = timed[suffix] = dict(case=case.label + suffix, best_peer=None, peer_us=None)
             with query_context(e4m3_query):
                 for mode in A_MODES:
                     if deadline.spent():
                         row[f"{mode}_us"] = "time limit"
                         continue
-                    _time_ours(case, qs, caches, mode, best, row)
+                    _time_ours(case, qs, caches, mode, row)
+        peer_times = time_peers() if peer_times is None else peer_times
+        for suffix, e4m3_query in query_classes(case):
+            row = with_peer(timed[suffix], peers_of_class(peer_times, e4m3_query), A_MODES)
             rows[suffix] = _fastest_round(rows.get(suffix), row, A_MODES)
     for row in rows.values():
         results.add("a", row)
+
+
+def ours_first(round_index: int) -> bool:
+    """Whether a round times our rows before the peers: every other round, so that a device or host whose speed
+    drifts during a case (clocks falling as the GPU warms, another process on the host) favours neither side."""
+    return round_index % 2 == 1
+
+
+def with_peer(row: dict, peer_times: dict, modes: tuple) -> dict:
+    """``row`` with its fastest peer (of ``peer_times``) and each mode's ratio to it."""
+    row["best_peer"], row["peer_us"] = peer_kernels.fastest(peer_times)
+    for mode in modes:
+        us = row.get(f"{mode}_us")
+        row[f"{mode}_ratio"] = _ratio(us if isinstance(us, float) else None, row["peer_us"])
+    return row
 
 
 A_MODES = ("eager", "compiled", "cudagraphs")
@@ -306,22 +331,29 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
                 for preferred in (None, *backends)]
     rows: dict = {}
     peers = peer_steps(case, 1, [{}], results, "b")
-    for _ in range(rounds):
-        peer_times = {name: median_ms(step.run) * 1e3 for name, step in peers.items()}
+
+    def time_peers() -> dict:
+        return {name: median_ms(step.run) * 1e3 for name, step in peers.items()}
+
+    for round_index in range(rounds):
+        peer_times = None if ours_first(round_index) else time_peers()
         floors = {}  # the floor does not call the op: once per round, shown on each variant's row
+        timed = {}
         for variant in variants:
             suffix, e4m3_query, preferred = variant
-            best_name, best = peer_kernels.fastest(peers_of_class(peer_times, e4m3_query))
             label = case.label + suffix + ("" if preferred is None else f", {preferred} preferred")
-            row = dict(case=label, best_peer=best_name, peer_us=best)
+            row = timed[variant] = dict(case=label, best_peer=None, peer_us=None)
             with query_context(e4m3_query), (mla_inductor.prefer_backends(preferred) if preferred
                                              else contextlib.nullcontext()):
                 for mode in B_MODES:
-                    _time_ours(case, qs, caches, mode, best, row)
+                    _time_ours(case, qs, caches, mode, row)
                     if preferred is None:
                         if mode not in floors:
                             floors[mode] = floor_us(case, qs, caches, mode)
                         row[f"{mode}_floor_us"] = floors[mode]
+        peer_times = time_peers() if peer_times is None else peer_times
+        for variant, row in timed.items():
+            row = with_peer(row, peers_of_class(peer_times, variant[1]), B_MODES)
             rows[variant] = _fastest_round(rows.get(variant), row)
     for row in rows.values():
         results.add("b", row)
