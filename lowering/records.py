@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from mla_inductor._library import define_op
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.lowering._compat import keep_in_graph
 from mla_inductor.selection import CallContext, user_preference
@@ -165,9 +166,6 @@ def _from_json(data: dict) -> Decision:
 
 
 # Defined with the low-level Library API: no custom_op Python layers on a call made every step.
-_LIB = torch.library.Library("mla", "FRAGMENT")
-_LIB.define("compiled_with(Tensor? anchor, str key, str record) -> ()")
-_LIB.impl("compiled_with", _compiled_with, "CompositeExplicitAutograd")
-torch.library.register_fake("mla::compiled_with", lambda anchor, key, record: None, lib=_LIB)
-COMPILED_WITH = torch.ops.mla.compiled_with.default
+COMPILED_WITH = define_op("mla::compiled_with", "(Tensor? anchor, str key, str record) -> ()", _compiled_with,
+                          lambda anchor, key, record: None).default
 keep_in_graph(COMPILED_WITH)  # it returns nothing: without this, dead-code elimination drops it

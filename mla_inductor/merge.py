@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from mla_inductor._library import define_op
+
 Tensor = torch.Tensor
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -125,8 +127,7 @@ def _on_kernel_device(t: Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-@torch.library.custom_op("mla::merge_attn_states", mutates_args=())
-def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+def _merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Merge two partial attention results: ``(out [T, H, L] in out_a's dtype, lse [T, H] fp32)``; see the
     module docstring."""
     check_merge_args(out_a, lse_a, out_b, lse_b)
@@ -138,15 +139,18 @@ def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
     return out.contiguous(), lse.contiguous()
 
 
-@merge_attn_states.register_fake
-def _(out_a, lse_a, out_b, lse_b):
+def _merge_attn_states_fake(out_a, lse_a, out_b, lse_b):
     check_merge_args(out_a, lse_a, out_b, lse_b)
     return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
         lse_a, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("mla::merge_attn_states_n", mutates_args=())
-def merge_attn_states_n(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+merge_attn_states = define_op("mla::merge_attn_states",
+                              "(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)",
+                              _merge_attn_states, _merge_attn_states_fake)
+
+
+def _merge_attn_states_n(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     """Merge N partial results stacked on dim 0: outs [N, T, H, L], lses [N, T, H] -> ``(out [T, H, L], lse [T, H]
     fp32)``; see the module docstring."""
     check_merge_n_args(outs, lses)
@@ -158,8 +162,11 @@ def merge_attn_states_n(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     return out.contiguous(), lse.contiguous()
 
 
-@merge_attn_states_n.register_fake
-def _(outs, lses):
+def _merge_attn_states_n_fake(outs, lses):
     check_merge_n_args(outs, lses)
     _, T, H, L = outs.shape
     return outs.new_empty((T, H, L)), lses.new_empty((T, H))
+
+
+merge_attn_states_n = define_op("mla::merge_attn_states_n", "(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
+                                _merge_attn_states_n, _merge_attn_states_n_fake)

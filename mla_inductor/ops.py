@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mla_inductor._compat import argument_errors_reach_the_user, current_cuda_device
+from mla_inductor._library import define_op
 from mla_inductor._memo import Memo
 from mla_inductor.contract import (
     OP_ARG_NAMES,
@@ -40,18 +41,10 @@ from mla_inductor.selection import backend_for_append, backend_for_eager, select
 
 Tensor = torch.Tensor
 
-# The ops are defined with the low-level Library API: an eager call then goes from the dispatcher straight
-# to the Python implementation. ``torch.library.custom_op`` adds Python layers (autograd wrapper, output
-# checks) that cost several times the dispatch itself on every call. These ops have no autograd formula:
-# inference only.
-_LIB = torch.library.Library("mla", "FRAGMENT")
-
 
 def _define(name: str, schema: str, impl, fake):
-    _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"mla::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.mla, name)
+    # The low-level Library API (``_library``): an eager call goes from the dispatcher straight to ``impl``.
+    return define_op(f"mla::{name}", schema, impl, fake)
 
 
 # ----------------------------------------------------------------------------- decode

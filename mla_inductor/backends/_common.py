@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mla_inductor._compat import CUDAGRAPH_UNSAFE_TAGS, version_counter
+from mla_inductor._library import define_op
 from mla_inductor.cache import FP8_E4M3_MAX
 from mla_inductor.contract import (
     DECODE_ARG_NAMES,
@@ -62,7 +63,6 @@ def _empty_call_result(returns: str, fake: Callable, args: tuple):
         return nothing_attended(args[0])[0]
     plan = [torch.zeros_like(t) for t in fake(*args)]
     return list(nothing_attended(args[0])) + plan[2:] if returns == "out_lse_plan" else plan
-_LIBRARIES: dict[str, torch.library.Library] = {}
 
 
 def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_plan: bool = True,
@@ -77,10 +77,7 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     result for it (and a plan of zeros) without running ``impl``. ``host_plan``: the op plans on the
     host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside).
 
-    Registered with the low-level Library API: the dispatcher calls ``impl`` directly, without the Python
-    layers of ``torch.library.custom_op`` (autograd wrapper, output checks), which cost several times the
-    dispatch itself on every call (these ops run once per layer and step, eagerly or from compiled code).
-    No autograd formula: inference only.
+    Registered with the low-level Library API (``_library``): no ``torch.library.custom_op`` layers per call.
     """
     plan_arg = ", Tensor[] plan" if takes_plan else "=None"  # ops without a plan may omit sparse_indices
     schema = f"({DECODE_ARGS_SCHEMA}{plan_arg}) -> {_RETURNS[returns]}"
@@ -99,14 +96,8 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
 
 
 def library_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = ()):
-    """Define the op ``qualname`` ("namespace::name") with ``schema`` (arguments and returns), computed by
-    ``impl`` and faked by ``fake``, with the low-level Library API (see ``decode_op``); its OpOverload."""
-    namespace, name = qualname.split("::")
-    lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
-    lib.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(qualname, fake, lib=lib)
-    return getattr(getattr(torch.ops, namespace), name).default
+    """``_library.define_op``'s op, as the OpOverload the pass matches nodes by."""
+    return define_op(qualname, schema, impl, fake, tags).default
 
 
 # ----------------------------------------------------------------------------- refusals
