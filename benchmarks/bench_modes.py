@@ -23,9 +23,9 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    fastest round (as ``--b-rounds``).
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
-   (``--all``: H=16 too; fp8_e4m3 cases in both query precisions, as in a). Target <= 1.3. Beside each mode, its floor: the same inputs and output compiled in
-   that mode with one small copy kernel instead of the attention (what the compiled call itself costs: Dynamo's
-   guards, Inductor's wrapper, the CUDA-graph replay). ``--b-profile`` then prints torch.profiler's kernel table
+   (``--all``: H=16 too; fp8_e4m3 cases in both query precisions, as in a). Target <= 1.3. Beside each mode,
+   its floor: the same inputs and output compiled in that mode with one small copy kernel instead of the
+   attention (what the compiled call itself costs: Dynamo's guards, Inductor's wrapper, the CUDA-graph replay). ``--b-profile`` then prints torch.profiler's kernel table
    of each case's one-call graphs. ``--b-backends triton,flashmla`` adds a row per named backend after each
    case's own: the same graphs with that backend preferred (``mla_inductor.prefer_backends``), timed in the
    same process against the same peer time, which is how a selection row for one-call graphs is decided.
