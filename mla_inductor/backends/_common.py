@@ -92,12 +92,7 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
         return impl(*args)
 
     full.__doc__ = impl.__doc__
-    return library_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else ())
-
-
-def library_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = ()):
-    """``_library.define_op``'s op, as the OpOverload the pass matches nodes by."""
-    return define_op(qualname, schema, impl, fake, tags).default
+    return define_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else ()).default
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -74,6 +74,7 @@ from typing import Any, Optional
 import torch
 
 from mla_inductor._compat import real_tensors, stream_capture_query
+from mla_inductor._library import define_op
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
     DEEPSEEK_DIMS,
@@ -82,7 +83,6 @@ from mla_inductor.backends._common import (
     cuda_reason,
     decode_op,
     kernel_lengths,
-    library_op,
     quantize_query_fp8,
     skips_empty_calls,
     sm,
@@ -719,11 +719,11 @@ def _fake_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softmax
 
 # dense_fp8 on a query already in e4m3: q [T, H, 576] float8_e4m3fn, q_descale [1] fp32, then the contract's
 # cache arguments, the plan and the output dtype -> (out [T, H, 512], lse [T, H] fp32).
-QUANTIZED_QUERY_OP = library_op(
+QUANTIZED_QUERY_OP = define_op(
     "mla_flashmla::decode_quantized_query",
     "(Tensor q, Tensor q_descale, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale, "
     "Tensor kv_scale, Tensor? sparse_indices, Tensor[] plan, ScalarType out_dtype) -> (Tensor, Tensor)",
-    decode_quantized_query, _fake_quantized_query)
+    decode_quantized_query, _fake_quantized_query).default
 
 
 # ----------------------------------------------------------------------------- the backend
