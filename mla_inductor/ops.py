@@ -42,11 +42,6 @@ from mla_inductor.selection import backend_for_append, backend_for_eager, select
 Tensor = torch.Tensor
 
 
-def _define(name: str, schema: str, impl, fake):
-    # The low-level Library API (``_library``): an eager call goes from the dispatcher straight to ``impl``.
-    return define_op(f"mla::{name}", schema, impl, fake)
-
-
 # ----------------------------------------------------------------------------- decode
 
 # Eager calls decide once per distinct call signature (shapes, strides, dtypes, devices, softmax_scale: everything
@@ -117,8 +112,10 @@ def _paged_decode_with_lse_fake(*args):
     return empty_decode_outputs(args[0])
 
 
-paged_decode_with_lse = _define("paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)",
-                                _paged_decode_with_lse, _paged_decode_with_lse_fake)
+# The ops are defined with the low-level Library API (``_library``): an eager call goes from the dispatcher
+# straight to the implementation.
+paged_decode_with_lse = define_op("mla::paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)",
+                                  _paged_decode_with_lse, _paged_decode_with_lse_fake)
 
 
 def _paged_decode(*args) -> Tensor:
@@ -132,7 +129,7 @@ def _paged_decode_fake(*args):
     return empty_decode_outputs(args[0])[0]
 
 
-paged_decode = _define("paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake)
+paged_decode = define_op("mla::paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake)
 
 
 # ----------------------------------------------------------------------------- cache_append
@@ -161,8 +158,8 @@ def _cache_append_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
         check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
-cache_append = _define("cache_append", "(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "
-                       "Tensor kv_scale) -> ()", _cache_append, _cache_append_fake)
+cache_append = define_op("mla::cache_append", "(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "
+                         "Tensor kv_scale) -> ()", _cache_append, _cache_append_fake)
 
 
 __all__ = ["cache_append", "paged_decode", "paged_decode_with_lse"]
