@@ -64,8 +64,10 @@ def test_a_direct_step_makes_each_peer_function_once_per_layer_and_only_calls_it
     assert peer.calls == [0] + [0, 1, 2, 0, 1, 2, 0]  # the first output, then one untimed step
     assert step.first.shape == (2, 4, 512) and step.first.eq(0).all()
     peer.calls.clear()
-    step.run()
+    outputs = step.run()
     assert peer.calls == [0, 1, 2, 0, 1, 2, 0] and len(peer.made) == 3  # the timed loop makes nothing
+    # The step's outputs live until it ends, as those of our op's step (each call writes fresh memory).
+    assert [out[0, 0, 0, 0].item() for out in outputs] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0, 0.0]
 
 
 def test_direct_steps_time_the_peers_that_run_and_name_the_others():
