@@ -130,6 +130,12 @@ TABLE: tuple[Row, ...] = (
         "schedule, kernel and combine (11.5 + 11.9 + 11.2 us), profiled in one-call graphs; FlashInfer FA3 plans "
         "on the host every graph call (docs/benchmarks.md section 4, eighth run)",
         max_batch=1, graph=ONE_CALL_GRAPH),
+    Row("sm90", BF16, False, ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference"),
+        "H100, up to 32 sequences, few heads, a graph of one call: our Triton kernel 74.9 us with CUDA graphs and "
+        "82.7 without, against FlashMLA's 98.9 / 231.7 us (its schedule and combine run every graph call) and "
+        "sgl-flash-mla's direct call 71.3 us (B=32, H=16, S=4096; docs/benchmarks.md section 4, tenth run). "
+        "At H=128 FlashMLA stays: Triton took 184 us there",
+        max_batch=32, max_heads=16, graph=ONE_CALL_GRAPH),
     Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
         "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
         "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",

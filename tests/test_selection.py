@@ -60,10 +60,18 @@ def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
     (128, 1, CallContext(1, captured=False), "triton"),
     (128, 2, CallContext(1, captured=True), "flashmla"),        # B >= 2: the general row, FA3's host plan moved
     (128, 1, CallContext(2, captured=False), "flashinfer_fa3"),  # two calls share the plan: not a one-call graph
+    # One-call graphs of up to 32 sequences at H <= 16: Triton (tenth run); more sequences or heads: FlashMLA.
+    (16, 32, CallContext(1, captured=True), "triton"),
+    (16, 32, CallContext(1, captured=False), "triton"),
+    (16, 33, CallContext(1, captured=True), "flashmla"),
+    (128, 32, CallContext(1, captured=True), "flashmla"),
+    (16, 32, CallContext(61, captured=True), "flashmla"),       # a whole step: FlashMLA's schedule is shared
+    (16, None, CallContext(1, captured=True), "flashmla"),      # a symbolic batch takes no row limited by B
 ])
 def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
-    """The rows for B=1 limited to a kind of graph (captured whole steps at H <= 16: docs/benchmarks.md section 4,
-    sixth run; one-call graphs at any H: eighth run) apply to exactly those calls."""
+    """The rows limited to a kind of graph (captured whole steps at B=1 H <= 16: docs/benchmarks.md section 4,
+    sixth run; one-call graphs at B=1 any H: eighth run; at B <= 32 H <= 16: tenth run) apply to exactly those
+    calls."""
     problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
