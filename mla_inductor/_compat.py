@@ -211,50 +211,75 @@ def static_triton_kernel(compiled, device_index: int) -> Optional[StaticKernel]:
                         kernel.arg_tys + "O" * scratch, positions, scratch, kernel)
 
 
-# ----------------------------------------------------------------------------- functional collectives
+# ----------------------------------------------------------------------------- collectives
+
+# Traced steps use functional collectives, which return new tensors instead of writing into an argument: that
+# is what lets torch.compile trace them (Inductor lowers them). Eager calls use c10d's collectives into a fresh
+# output, the same NCCL / gloo work without functional collectives' eager layers (an autograd-function
+# dispatch, a tensor subclass and a separate wait op per call), which eager DCP pays three times per layer.
 
 
 def _functional_collectives():
-    """``torch.distributed._functional_collectives``: collectives that return new tensors instead of writing
-    into an argument, which is what lets torch.compile trace them (Inductor lowers them). Imported on first
-    use, so ``import mla_inductor`` loads none of torch.distributed's modules."""
+    """``torch.distributed._functional_collectives``, imported on first use, so ``import mla_inductor`` loads
+    none of torch.distributed's modules."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol
 
 
+def _traced() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` (rank order)."""
-    funcol = _functional_collectives()
-    # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; 2.11 has the old names only.
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    # Gathered along dim 0, then rearranged here: for another dim, torch 2.11's all_gather_tensor calls a helper
-    # Dynamo refuses to trace (torch._utils._maybe_view_chunk_cat), which broke compiled DCP steps.
-    gathered = funcol.wait_tensor(gather(x, 0, group))
+    world = torch.distributed.get_world_size(group)
+    if _traced():
+        funcol = _functional_collectives()
+        # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; 2.11 has the old names only.
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        # Gathered along dim 0, then rearranged here: for another dim, torch 2.11's all_gather_tensor calls a
+        # helper Dynamo refuses to trace (torch._utils._maybe_view_chunk_cat), which broke compiled DCP steps.
+        gathered = funcol.wait_tensor(gather(x, 0, group))
+    else:
+        gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        torch.distributed.all_gather_into_tensor(gathered, x, group=group)
     dim %= x.dim()
     if dim == 0:
         return gathered
-    world = torch.distributed.get_world_size(group)
     # [world·d0, ...] -> [world, d0, ...] -> rank blocks next to ``dim`` -> merged into it (also for d0 == 0).
     return gathered.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter_tensor_sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """``x`` summed over ranks, this rank's block of ``dim`` kept."""
-    funcol = _functional_collectives()
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return funcol.wait_tensor(scatter(x, "sum", dim, group))
+    if _traced() or dim != 0:
+        funcol = _functional_collectives()
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        return funcol.wait_tensor(scatter(x, "sum", dim, group))
+    out = x.new_empty((x.shape[0] // torch.distributed.get_world_size(group), *x.shape[1:]))
+    torch.distributed.reduce_scatter_tensor(out, x, op=torch.distributed.ReduceOp.SUM, group=group)
+    return out
 
 
 def all_to_all_equal_blocks(x: torch.Tensor, group) -> torch.Tensor:
     """Block j of dim 0 sent to rank j; block i of the result came from rank i."""
-    funcol = _functional_collectives()
-    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+    if _traced():
+        funcol = _functional_collectives()
+        return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+    out = torch.empty_like(x)
+    torch.distributed.all_to_all_single(out, x, group=group)
+    return out
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    funcol = _functional_collectives()
-    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    """``x`` summed over ranks, as a new tensor (``x`` is left as it is)."""
+    if _traced():
+        funcol = _functional_collectives()
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    out = x.clone()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=group)
+    return out
 
 
 # ----------------------------------------------------------------------------- argument errors at compile time

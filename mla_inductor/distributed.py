@@ -48,7 +48,8 @@ from torch import nn
 
 import mla_inductor.merge  # noqa: F401  (registers mla.merge_attn_states_n)
 from mla_inductor import _compat
-from mla_inductor.cache import PagedLatentCache, cache_dtype, fp8_scale_for, token_width
+from mla_inductor.cache import (PagedLatentCache, cache_dtype, fp8_scale_for, host_lengths, register_host_lengths,
+                                token_width)
 from mla_inductor.merge import clean_lse
 
 Tensor = torch.Tensor
@@ -212,6 +213,39 @@ def make_dcp_group(dcp_size: int, tp_group: Optional[dist.ProcessGroup] = None, 
 # The decode path
 
 
+class StepLengths:
+    """This rank's lengths of a step, made once per ``seq_lens`` state in eager calls.
+
+    Each layer's DCP call derives this rank's lengths from the global ``seq_lens``. Made afresh per call, they
+    are a new tensor every layer: the backends' plan caches (keyed on the tensors' identity and version) then
+    plan every layer again, and a backend planning on the host (FlashInfer) copies them from the device and
+    waits. Here the first call of a step makes them, the step's other calls get the same tensor, and where
+    ``seq_lens`` has a registered host copy (``register_host_lengths``; ``PagedLatentCache`` and the HF caches
+    keep one) this rank's host copy is registered beside them. Traced steps and CUDA-graph captures compute
+    them in the graph instead (a capture must read ``seq_lens`` at every replay).
+    """
+
+    def __init__(self) -> None:
+        self._last: Optional[tuple] = None  # (seq_lens, its state, layout, local lengths)
+
+    def of(self, layout: DCPLayout, seq_lens: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() or (seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return layout.local_lengths(seq_lens)
+        state = (seq_lens.data_ptr(), tuple(seq_lens.shape), _compat.version_counter(seq_lens))
+        last = self._last
+        if last is not None and last[0] is seq_lens and last[1] == state and last[2] == layout:
+            return last[3]
+        local = layout.local_lengths(seq_lens)
+        host = host_lengths(seq_lens)
+        if host is not None:
+            register_host_lengths(local, layout.local_lengths(host))
+        self._last = (seq_lens, state, layout, local)
+        return local
+
+
+STEP_LENGTHS = StepLengths()
+
+
 def local_decode_with_lse(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                           softmax_scale: float, kv_scale: Tensor, layout: DCPLayout) -> tuple[Tensor, Tensor]:
     """One rank's part of a DCP decode, no communication: attention of every given head over this rank's
@@ -225,7 +259,7 @@ def local_decode_with_lse(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_
     B = block_table.shape[0]
     Q = q_nope.shape[0] // B
     if Q == 1:
-        lengths, table = layout.local_lengths(seq_lens), block_table
+        lengths, table = STEP_LENGTHS.of(layout, seq_lens), block_table
     else:
         offsets = torch.arange(1 - Q, 1, device=seq_lens.device, dtype=seq_lens.dtype)
         visible = (seq_lens[:, None] + offsets).reshape(B * Q)  # keys row b*Q + j sees: seq_lens - Q + j + 1

@@ -129,6 +129,44 @@ def test_local_steps_merged_equal_one_process(fmt, N, interleave, q_per_seq):
     assert_close_to(merged, one_process_result(x), f"{fmt} N={N} I={interleave} Q={q_per_seq}")
 
 
+def test_eager_local_decodes_of_a_step_share_one_lengths_tensor_one_plan_and_the_host_copy():
+    """Eager DCP calls derive this rank's lengths once per seq_lens state (``STEP_LENGTHS``): a step's layers
+    get one tensor, so a backend's plan cache plans once per step, and seq_lens' registered host copy gives
+    this rank's host copy (a host-planning backend then waits for nothing). A write of seq_lens starts over."""
+    import planned_backend as pb
+
+    from mla_inductor import backends
+    from mla_inductor.cache import host_lengths, register_host_lengths
+    from mla_inductor.distributed import STEP_LENGTHS
+
+    x, shards = one_process_and_shards(2, 1, "bf16", seed=5)
+    layout = DCPLayout(2, 0)
+    backends.register_backend("planned_test", "planned_backend")
+    try:
+        pb.PLANS.forget()
+        pb.PLANS_MADE.clear()
+        with mla_inductor.prefer_backends("planned_test"):
+            for step in range(3):
+                if step:
+                    x.seq_lens.copy_((x.seq_lens - 1).clamp_min(0))  # the next step's lengths
+                if step < 2:
+                    register_host_lengths(x.seq_lens, x.seq_lens.clone())
+                want = layout.local_lengths(x.seq_lens)
+                lengths = [STEP_LENGTHS.of(layout, x.seq_lens) for _ in range(3)]
+                assert lengths[0] is lengths[1] is lengths[2] and torch.equal(lengths[0], want)
+                host = host_lengths(lengths[0])
+                assert (host is None) == (step == 2) and (host is None or torch.equal(host, want))
+                for _ in range(3):  # three layers; the run op checks it got the plan of these lengths
+                    out, lse = local_decode_with_lse(x.q_nope, x.q_pe, shards[0], x.block_table, x.seq_lens,
+                                                     x.softmax_scale, x.kv_scale, layout)
+                assert len(pb.PLANS_MADE) == step + 1, "one plan per step"
+                assert torch.isfinite(out).all()
+        # Another rank's layout gets its own lengths.
+        assert torch.equal(STEP_LENGTHS.of(DCPLayout(2, 1), x.seq_lens), DCPLayout(2, 1).local_lengths(x.seq_lens))
+    finally:
+        backends.unregister_backend("planned_test")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Process groups on CPU (gloo), spawned from pytest
 
