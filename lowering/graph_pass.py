@@ -7,7 +7,7 @@ implementation traced into aten ops, which Inductor then generates as ordinary c
 Dynamic shapes select like static ones. The model's constants (heads, kv_lora_rank, rope dim, page size,
 new tokens per sequence, top-k) never change in a model: where one is symbolic (``dynamic=True``) it is
 fixed to its traced value with a guard. The batch B stays symbolic and is selected by size class
-(``selection.batch_limits``), with a guard where the table distinguishes classes; an unbacked B
+(``selection.batch_limits``), with a guard only where the selection differs between classes; an unbacked B
 (``mark_unbacked``) takes the largest class. Each call is selected in its graph's context
 (``selection.CallContext``): how many calls share its plan, and whether the graph is captured.
 """
@@ -286,24 +286,35 @@ def _specialize_model_constants(fake: list) -> tuple[list[str], Optional[int]]:
     return notes, None
 
 
-def _batch_class(problem: DecodeProblem, batch) -> tuple[DecodeProblem, Optional[str]]:
-    """Select a symbolic batch by size class: for each batch limit of the table, whether B is within it
-    (known, or guarded on the traced B). The problem then carries the class's upper limit as its batch
-    (None above every limit), which the table's rows answer exactly as they would any B of the class."""
+def _batch_class(problem: DecodeProblem, batch, choose) -> tuple[DecodeProblem, Optional[str]]:
+    """Select a symbolic batch by size class. The table's batch limits (``batch_limits``) cut the batch sizes
+    into classes; ``choose(problem)`` (the backend the selection picks) answers each class at its upper limit
+    (None above every limit). The traced B's class and the neighbouring classes choosing alike form its range,
+    and only that range's ends are guarded: a graph recompiles only for a batch size that would select another
+    backend (none at all where every class selects the same). The problem then carries the traced class's
+    upper limit as its batch, which the table's rows answer exactly as they would any B of the range."""
     if problem.batch is not None:
         return problem, None
     limits = batch_limits()
     hint = size_hint(batch)
     if hint is None:
         return problem, f"batch: unbacked, the class above every batch limit {limits}" if limits else "batch: unbacked"
-    within = [limit for limit in limits if decide(batch <= limit)]
-    upper = min(within) if within else None
-    lower = max((limit for limit in limits if upper is None or limit < upper), default=None)
+    uppers = [*limits, None]
+    choices = [choose(dataclasses.replace(problem, batch=upper)) for upper in uppers]
+    traced = next(k for k, upper in enumerate(uppers) if upper is None or hint <= upper)
+    first = last = traced
+    while first > 0 and choices[first - 1] == choices[traced]:
+        first -= 1
+    while last < len(uppers) - 1 and choices[last + 1] == choices[traced]:
+        last += 1
+    lower, upper = (uppers[first - 1] if first else None), uppers[last]
+    for guard in ([batch <= upper] if upper is not None else []) + ([batch > lower] if lower is not None else []):
+        decide(guard)  # true for the traced B: the guard is what recompiles for a B outside the range
     if upper is None:
         what = f"B > {lower}" if lower is not None else "any B"
     else:
         what = f"{lower} < B <= {upper}" if lower is not None else f"B <= {upper}"
-    return dataclasses.replace(problem, batch=upper), f"batch: symbolic (traced {hint}), class {what}"
+    return dataclasses.replace(problem, batch=uppers[traced]), f"batch: symbolic (traced {hint}), class {what}"
 
 
 def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwargs) -> None:
@@ -325,10 +336,11 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
     problem = check_decode_args(*fake, op=op_name)
     if problem.q_per_seq is None and per_seq is not None:
         problem = dataclasses.replace(problem, q_per_seq=per_seq)
-    problem, batch_note = _batch_class(problem, fake[3].shape[0])
-    notes += [batch_note] if batch_note else []
     capability = device_capability(fake[0].device)
     context = graph_pass.contexts.get(node)
+    problem, batch_note = _batch_class(problem, fake[3].shape[0],
+                                       lambda p: select_backend(p, capability, context=context).backend)
+    notes += [batch_note] if batch_note else []
     selection = select_backend(problem, capability, context=context)
     if autotune_enabled() and fake[0].device.type == "cuda":
         selection = _autotuned(problem, capability, selection, fake)
