@@ -541,6 +541,42 @@ def test_plan_is_handed_to_the_kernel(provider):
     assert interface.calls[0][1][2] is table
 
 
+DECODE_REUSING_PLANS = fm.decode_reusing_plans
+
+
+@pytest.mark.parametrize("Q", [1, 2])
+def test_eager_calls_after_a_steps_first_go_from_the_stored_plan_to_the_kernel(provider, monkeypatch, Q):
+    """An eager mla.paged_decode on a bf16 cache: the step's first call plans (here: the 2026 interface's kernel
+    call makes the schedule), the others hand that schedule and clamped table straight to the kernel, and give
+    the first call's result; a write of seq_lens makes the next call plan again."""
+    interface = RecordingInterface()
+    provider(interface)
+    fm.PLANS.forget()
+    general = []  # calls that took the general path (plan lookup, decode_and_plan, attend_rows)
+    monkeypatch.setattr(fm, "decode_reusing_plans", lambda *a, **k: general.append(1) or DECODE_REUSING_PLANS(*a, **k))
+    H = 3
+    x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q)
+    args = (*x.args(), None)
+    run = BACKEND.eager_decode(_problem(num_heads=H, q_per_seq=Q), args, with_lse=False)
+    first, second = run(*args), run(*args)
+    assert len(interface.calls) == 2 and len(general) == 1
+    (_, made, kwargs1), (_, reused, kwargs2) = interface.calls
+    assert reused[5].tile_scheduler_metadata is made[5].tile_scheduler_metadata  # the stored schedule
+    assert reused[5].num_splits is made[5].num_splits and reused[2] is made[2]  # and the stored clamped table
+    assert reused[3] is x.seq_lens and kwargs2 == kwargs1 == dict(softmax_scale=x.softmax_scale, causal=Q > 1,
+                                                                   is_fp8_kvcache=False, indices=None)
+    torch.testing.assert_close(reused[0], torch.cat([x.q_nope, x.q_pe], -1).view(len(SEQ_LENS), Q, H, 576),
+                               rtol=0, atol=0)
+    assert second.shape == (len(SEQ_LENS) * Q, H, 512) and torch.equal(first, second)
+    rows = _expected_rows(SEQ_LENS, Q, H)
+    for t, row in enumerate(rows):
+        for h, code in enumerate(row):
+            assert bool((second[t, h].float() == (0 if code is None else code)).all()), (t, h)
+    x.seq_lens.copy_(x.seq_lens)  # written: the next call plans again (a fresh schedule from its kernel call)
+    run(*args)
+    assert len(general) == 2 and interface.calls[2][1][5].tile_scheduler_metadata is not made[5].tile_scheduler_metadata
+
+
 @pytest.mark.parametrize("interface_kind", ["2026", "legacy", "fp8"])
 def test_decode_and_plan_returns_the_schedule_it_ran_with(provider, interface_kind):
     """The first layer's op: its plan is what its own kernel call scheduled with, and later layers

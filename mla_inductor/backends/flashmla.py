@@ -69,7 +69,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -479,15 +479,18 @@ def _kernel_query(q_nope: Tensor, q_pe: Tensor, B: int) -> Tensor:
     (the usual model layout: no copy), else a concatenated copy."""
     T, H, L = q_nope.shape
     R = q_pe.shape[-1]
-    adjacent = (
-        q_nope.stride() == q_pe.stride()
-        and q_nope.stride(-1) == 1
-        and (H == 1 or q_nope.stride(1) >= L + R)
-        and q_nope.untyped_storage().data_ptr() == q_pe.untyped_storage().data_ptr()
-        and q_pe.storage_offset() == q_nope.storage_offset() + L
-    )
-    q = q_nope.as_strided((T, H, L + R), q_nope.stride()) if adjacent else torch.cat([q_nope, q_pe], dim=-1)
-    return q.view(B, T // B, H, L + R)
+    stride = q_nope.stride()
+    if (stride == q_pe.stride() and stride[-1] == 1 and (H == 1 or stride[1] >= L + R)
+            and q_pe.data_ptr() == q_nope.data_ptr() + L * q_nope.element_size() and _same_storage(q_nope, q_pe)):
+        Q = T // B
+        return q_nope.as_strided((B, Q, H, L + R), (Q * stride[0], stride[0], stride[1], 1))
+    return torch.cat([q_nope, q_pe], dim=-1).view(B, T // B, H, L + R)
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    # Views of one tensor share their ``_base`` (an attribute read); otherwise compare the storages.
+    base = a._base
+    return (base is not None and base is b._base) or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _causal(mode: str, q: Tensor) -> bool:
@@ -842,7 +845,33 @@ class FlashMLABackend(Backend):
                                             sparse_indices, with_lse, q_scale, config, mode)
             return (out, lse) if with_lse else out
 
+        if mode != "dense" or with_lse:
+            return decode
+        return _planned_dense_call(decode, config, *q_nope.shape, block_table.shape[0])
+
+
+def _planned_dense_call(decode: Callable, config: tuple, T: int, H: int, L: int, B: int):
+    """An eager ``mla.paged_decode`` on a bf16/fp16 cache: a call whose plan is stored (a step's calls after its
+    first) goes from the plan lookup to the provider's kernel call, everything else fixed by the call signature
+    (mode, provider, shapes) decided once; any other call is ``decode``'s (it plans, or runs while a CUDA graph
+    is captured)."""
+    causal = T // B > 1
+    providers = find_providers()
+    provider = providers.for_mode("dense")
+    if provider is None:
         return decode
+
+    def planned(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
+        plan = None if q_nope.is_cuda and _capturing() else PLANS.get(config, block_table, seq_lens, None)
+        if plan is None or find_providers() is not providers:
+            return decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                          q_scale)
+        # plan: [schedule, splits, row counts, clamped table]; the kernel zeroes rows that see nothing itself.
+        out = provider.attend("dense", _kernel_query(q_nope, q_pe, B), kv_cache.unsqueeze(2), plan[3], seq_lens,
+                              softmax_scale, causal, None, plan[0], plan[1])[0]
+        return out.view(T, H, L)
+
+    return planned
 
 
 BACKEND = FlashMLABackend()
