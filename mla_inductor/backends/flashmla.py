@@ -699,8 +699,26 @@ def _decode_and_plan_list(*args) -> list[Tensor]:
 
 def _decode_out(*args) -> Tensor:
     """``mla_flashmla::decode`` for a call whose lse nobody reads (``mla.paged_decode``): out only, with no
-    epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse, dense_ds)."""
+    epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse, dense_ds).
+    A dense call handed its plan (every compiled call but a graph's first) goes straight to the kernel call."""
+    q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, _, sparse_indices, plan = args
+    if plan and sparse_indices is None and kv_cache.dtype in DENSE_DTYPES:
+        return _attend_dense(_provider("dense"), q_nope, q_pe, kv_cache, block_table.shape[0], seq_lens,
+                             softmax_scale, plan)
     return decode_and_plan(*args, need_lse=False)[0]
+
+
+# The cache dtypes of the dense mode (bf16 / fp16: FlashMLA's output is then the contract's, with no epilogue).
+DENSE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _attend_dense(provider: Provider, q_nope, q_pe, kv_cache, B: int, seq_lens, softmax_scale, plan) -> Tensor:
+    """out [T, H, 512] of a dense (bf16/fp16 cache) call on ``plan`` ([schedule, splits, row counts, clamped
+    table]): one kernel call, which zeroes the rows that see nothing itself."""
+    T, H, L = q_nope.shape
+    out = provider.attend("dense", _kernel_query(q_nope, q_pe, B), kv_cache.unsqueeze(2), plan[3], seq_lens,
+                          softmax_scale, T // B > 1, None, plan[0], plan[1])[0]
+    return out.view(T, H, L)
 
 
 # plan: FlashMLA's schedule for one forward, [tile_scheduler_metadata int32 [num_sm_parts, M], num_splits int32
@@ -847,15 +865,14 @@ class FlashMLABackend(Backend):
 
         if mode != "dense" or with_lse:
             return decode
-        return _planned_dense_call(decode, config, *q_nope.shape, block_table.shape[0])
+        return _planned_dense_call(decode, config, block_table.shape[0])
 
 
-def _planned_dense_call(decode: Callable, config: tuple, T: int, H: int, L: int, B: int):
+def _planned_dense_call(decode: Callable, config: tuple, B: int):
     """An eager ``mla.paged_decode`` on a bf16/fp16 cache: a call whose plan is stored (a step's calls after its
     first) goes from the plan lookup to the provider's kernel call, everything else fixed by the call signature
     (mode, provider, shapes) decided once; any other call is ``decode``'s (it plans, or runs while a CUDA graph
     is captured)."""
-    causal = T // B > 1
     providers = find_providers()
     provider = providers.for_mode("dense")
     if provider is None:
@@ -866,10 +883,7 @@ def _planned_dense_call(decode: Callable, config: tuple, T: int, H: int, L: int,
         if plan is None or find_providers() is not providers:
             return decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                           q_scale)
-        # plan: [schedule, splits, row counts, clamped table]; the kernel zeroes rows that see nothing itself.
-        out = provider.attend("dense", _kernel_query(q_nope, q_pe, B), kv_cache.unsqueeze(2), plan[3], seq_lens,
-                              softmax_scale, causal, None, plan[0], plan[1])[0]
-        return out.view(T, H, L)
+        return _attend_dense(provider, q_nope, q_pe, kv_cache, B, seq_lens, softmax_scale, plan)
 
     return planned
 
