@@ -227,14 +227,15 @@ def _functional_collectives():
     return funcol
 
 
-def _traced() -> bool:
+def traced() -> bool:
+    """Whether Dynamo is tracing the calling code (``torch.compiler.is_compiling``)."""
     return torch.compiler.is_compiling()
 
 
 def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` (rank order)."""
     world = torch.distributed.get_world_size(group)
-    if _traced():
+    if traced():
         funcol = _functional_collectives()
         # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; 2.11 has the old names only.
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -253,7 +254,7 @@ def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def reduce_scatter_tensor_sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """``x`` summed over ranks, this rank's block of ``dim`` kept."""
-    if _traced() or dim != 0:
+    if traced() or dim != 0:
         funcol = _functional_collectives()
         scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
         return funcol.wait_tensor(scatter(x, "sum", dim, group))
@@ -264,7 +265,7 @@ def reduce_scatter_tensor_sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def all_to_all_equal_blocks(x: torch.Tensor, group) -> torch.Tensor:
     """Block j of dim 0 sent to rank j; block i of the result came from rank i."""
-    if _traced():
+    if traced():
         funcol = _functional_collectives()
         return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
     out = torch.empty_like(x)
@@ -274,7 +275,7 @@ def all_to_all_equal_blocks(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` summed over ranks, as a new tensor (``x`` is left as it is)."""
-    if _traced():
+    if traced():
         funcol = _functional_collectives()
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
     out = x.clone()

@@ -48,6 +48,7 @@ from torch import nn
 
 import mla_inductor.merge  # noqa: F401  (registers mla.merge_attn_states_n)
 from mla_inductor import _compat
+from mla_inductor.backends._common import tensor_state
 from mla_inductor.cache import (PagedLatentCache, cache_dtype, fp8_scale_for, host_lengths, register_host_lengths,
                                 token_width)
 from mla_inductor.merge import clean_lse
@@ -229,9 +230,9 @@ class StepLengths:
         self._last: Optional[tuple] = None  # (seq_lens, its state, layout, local lengths)
 
     def of(self, layout: DCPLayout, seq_lens: Tensor) -> Tensor:
-        if torch.compiler.is_compiling() or (seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if _compat.traced() or (seq_lens.is_cuda and _capturing()):
             return layout.local_lengths(seq_lens)
-        state = (seq_lens.data_ptr(), tuple(seq_lens.shape), _compat.version_counter(seq_lens))
+        state = tensor_state(seq_lens)
         last = self._last
         if last is not None and last[0] is seq_lens and last[1] == state and last[2] == layout:
             return last[3]
@@ -244,6 +245,7 @@ class StepLengths:
 
 
 STEP_LENGTHS = StepLengths()
+_capturing = _compat.stream_capture_query()
 
 
 def local_decode_with_lse(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,

@@ -541,21 +541,29 @@ def test_plan_is_handed_to_the_kernel(provider):
     assert interface.calls[0][1][2] is table
 
 
+DECODE_AND_PLAN = fm.decode_and_plan
+
+
 @pytest.mark.parametrize("Q", [1, 2])
-def test_decode_out_hands_its_plan_to_the_kernel(provider, Q):
+def test_decode_out_hands_its_plan_to_the_kernel(provider, monkeypatch, Q):
     """mla_flashmla::decode_out (a compiled mla.paged_decode) on a bf16 cache: given the graph's plan, one kernel
-    call on that schedule and clamped table; given none, it schedules itself. Both give the contract's out."""
+    call on that schedule and clamped table, without the general path; given none, it schedules itself through
+    the general path. Both give the contract's out."""
     interface = RecordingInterface()
     provider(interface)
+    general = []  # calls that took the general path (decode_and_plan, attend_rows)
+    monkeypatch.setattr(fm, "decode_and_plan", lambda *a, **k: general.append(1) or DECODE_AND_PLAN(*a, **k))
     H = 3
     x = make_decode_inputs(SEQ_LENS, num_heads=H, q_per_seq=Q)
     plan = torch.ops.mla_flashmla.plan(*x.args())
     interface.calls.clear()
     planned = torch.ops.mla_flashmla.decode_out(*x.args(), plan)
+    assert not general
     (_, handed, kwargs), = interface.calls
     assert handed[5].tile_scheduler_metadata is plan[0] and handed[5].num_splits is plan[1] and handed[2] is plan[3]
     assert handed[3] is x.seq_lens and kwargs["causal"] == (Q > 1)
     alone = torch.ops.mla_flashmla.decode_out(*x.args(), [])
+    assert len(general) == 1
     assert planned.shape == alone.shape == (len(SEQ_LENS) * Q, H, 512) and torch.equal(planned, alone)
     for t, row in enumerate(_expected_rows(SEQ_LENS, Q, H)):
         for h, code in enumerate(row):

@@ -702,22 +702,20 @@ def _decode_out(*args) -> Tensor:
     epilogue kernel where FlashMLA's output is already the contract's (dense bf16/fp16, sparse, dense_ds).
     A dense call handed its plan (every compiled call but a graph's first) goes straight to the kernel call."""
     q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, _, sparse_indices, plan = args
-    if plan and sparse_indices is None and kv_cache.dtype in DENSE_DTYPES:
-        return _attend_dense(_provider("dense"), q_nope, q_pe, kv_cache, block_table.shape[0], seq_lens,
+    mode = _mode_of(kv_cache, sparse_indices)
+    if plan and mode == "dense":
+        return _attend_dense(_provider(mode), q_nope, q_pe, kv_cache, block_table.shape[0], seq_lens,
                              softmax_scale, plan)
-    return decode_and_plan(*args, need_lse=False)[0]
-
-
-# The cache dtypes of the dense mode (bf16 / fp16: FlashMLA's output is then the contract's, with no epilogue).
-DENSE_DTYPES = (torch.bfloat16, torch.float16)
+    return decode_and_plan(*args, need_lse=False, mode=mode)[0]
 
 
 def _attend_dense(provider: Provider, q_nope, q_pe, kv_cache, B: int, seq_lens, softmax_scale, plan) -> Tensor:
     """out [T, H, 512] of a dense (bf16/fp16 cache) call on ``plan`` ([schedule, splits, row counts, clamped
     table]): one kernel call, which zeroes the rows that see nothing itself."""
     T, H, L = q_nope.shape
-    out = provider.attend("dense", _kernel_query(q_nope, q_pe, B), kv_cache.unsqueeze(2), plan[3], seq_lens,
-                          softmax_scale, T // B > 1, None, plan[0], plan[1])[0]
+    q = _kernel_query(q_nope, q_pe, B)
+    out = provider.attend("dense", q, kv_cache.unsqueeze(2), plan[3], seq_lens, softmax_scale, _causal("dense", q),
+                          None, plan[0], plan[1])[0]
     return out.view(T, H, L)
 
 
