@@ -294,10 +294,15 @@ def _check_scale_value(op: str, name: str, scale: Tensor) -> None:
 _capturing = stream_capture_query()
 
 
+def being_captured(t: Tensor) -> bool:
+    """Whether a call on t's device is being captured in a CUDA graph (the current stream is capturing)."""
+    return t.is_cuda and _capturing()
+
+
 def checks_on_device(t: Tensor) -> bool:
     """Whether the value checks of a call on t's device must be device-side asserts: while a CUDA graph is
     captured nothing may wait for the device (compiled graphs always use them on GPUs: lowering/checks.py)."""
-    return t.is_cuda and _capturing()
+    return being_captured(t)
 
 
 def assert_decode_values_on_device(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,

@@ -27,6 +27,7 @@ from mla_inductor.contract import (
     assert_append_values_on_device,
     assert_decode_values_on_device,
     attends_nothing,
+    being_captured,
     call_signature,
     check_append_args,
     check_append_values,
@@ -45,10 +46,12 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------- decode
 
 # Eager calls decide once per distinct call signature (shapes, strides, dtypes, devices, softmax_scale: everything
-# the argument checks read) and selection state (user preference, FP8-query opt-in, registered backends) what
-# can be decided once: the checks that need no data, the DecodeProblem, whether the call attends anything, and
-# the backend's bound run function. A call then costs a key, a dict lookup and the run; the checks that read
-# data (CPU always, GPUs in debug mode) still run on every call.
+# the argument checks read), selection state (user preference, FP8-query opt-in, registered backends) and
+# whether the call is being captured in a CUDA graph what can be decided once: the checks that need no data, the
+# DecodeProblem, whether the call attends anything, and the backend's bound run function. A call then costs a
+# key, a dict lookup and the run; the checks that read data (CPU always, GPUs in debug mode) still run on every
+# call. A call made while the user captures a CUDA graph is selected as a captured one-call graph's would be:
+# replays repeat it without its host work, so it needs a backend that plans on the device or needs no plan.
 _EAGER_CALLS: Memo = Memo()
 _ARITY = len(OP_ARG_NAMES)
 
@@ -63,12 +66,13 @@ class _EagerCall:
         self.cuda_index = cuda_index  # the tensors' CUDA device, -1 elsewhere
 
 
-def _new_eager_call(op: str, args: tuple, with_lse: bool) -> _EagerCall:
+def _new_eager_call(op: str, args: tuple, with_lse: bool, captured: bool) -> _EagerCall:
     """Decide what a new signature decides (bad arguments raise here, on every call: nothing is stored)."""
     problem = check_decode_args(*args, op=op)
     q_nope, kv_cache, block_table, sparse_indices = args[0], args[2], args[3], args[7]
     nothing = attends_nothing(q_nope, kv_cache, block_table, sparse_indices)
-    run = None if nothing else backend_for_eager(problem, q_nope.device).eager_decode(problem, args, with_lse)
+    run = None if nothing else backend_for_eager(problem, q_nope.device, captured).eager_decode(problem, args,
+                                                                                                with_lse)
     return _EagerCall(problem, nothing, run, q_nope.get_device() if q_nope.is_cuda else -1)
 
 
@@ -76,18 +80,19 @@ def _decode(op: str, with_lse: bool, args: tuple):
     """An eager decode call: ``args`` as the dispatcher hands them (a defaulted tail may be left out)."""
     if len(args) < _ARITY:
         args = (*args, *((None,) * (_ARITY - len(args))))
+    q_nope = args[0]
     try:
-        key = (op, selection_state(), call_signature(*args))
+        captured = being_captured(q_nope)
+        key = (op, selection_state(), call_signature(*args), captured)
     except AttributeError:  # not through the dispatcher: the checks name the argument of the wrong type
         check_decode_args(*args, op=op)
         raise
     call = _EAGER_CALLS.get(key)
     if call is None:
-        call = _EAGER_CALLS.put(key, _new_eager_call(op, args, with_lse))
-    q_nope = args[0]
+        call = _EAGER_CALLS.put(key, _new_eager_call(op, args, with_lse, captured))
     if wants_value_checks(q_nope):
         q_nope, _, kv_cache, block_table, seq_lens, _, kv_scale, sparse_indices, q_scale = args
-        check = assert_decode_values_on_device if checks_on_device(q_nope) else check_decode_values
+        check = assert_decode_values_on_device if captured else check_decode_values
         check(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, op=op, q_scale=q_scale)
     if call.attends_nothing:
         out, lse = nothing_attended(q_nope)

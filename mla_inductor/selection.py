@@ -64,21 +64,24 @@ class CallContext:
 # against 165-354 us for our Triton kernel alone (section 1).
 HOST_PLAN_MIN_CALLS = 2
 
-# The kinds of compiled graph a Row may be limited to (``graph_kind``): a whole step captured in CUDA graphs
-# (at least HOST_PLAN_MIN_CALLS calls share a plan: a kernel's own device time decides, not its host cost) and
-# a one-call graph (fewer share it: a layer compiled alone, an MTP draft layer; every kernel of the call and of
-# its plan runs once per graph call).
+# The kinds of program a Row may be limited to (``graph_kind``): a whole step captured in CUDA graphs (at least
+# HOST_PLAN_MIN_CALLS calls share a plan: a kernel's own device time decides, not its host cost); a one-call
+# graph (fewer share it: a layer compiled alone, an MTP draft layer; every kernel of the call and of its plan
+# runs once per graph call); eager calls and whole steps compiled without CUDA graphs (each call's host work
+# runs between the kernels: where a kernel is short, the backend with the least host work per call wins).
 CAPTURED_STEP = "whole steps in CUDA graphs"
 ONE_CALL_GRAPH = "one-call graphs"
+UNCAPTURED = "eager calls and steps without CUDA graphs"
 
 
-def graph_kind(context: Optional["CallContext"]) -> Optional[str]:
-    """``CAPTURED_STEP``, ``ONE_CALL_GRAPH`` or None (an eager call, a whole step without CUDA graphs)."""
+def graph_kind(context: Optional["CallContext"]) -> str:
+    """``CAPTURED_STEP``, ``ONE_CALL_GRAPH`` or ``UNCAPTURED`` (an eager call: ``context`` None, or a whole step
+    compiled without CUDA graphs)."""
     if context is None:
-        return None
+        return UNCAPTURED
     if context.calls_sharing_plan < HOST_PLAN_MIN_CALLS:
         return ONE_CALL_GRAPH
-    return CAPTURED_STEP if context.captured else None
+    return CAPTURED_STEP if context.captured else UNCAPTURED
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class Row:
     evidence: str
     max_batch: Optional[int] = None  # the row applies only to calls with a static batch size <= this
     max_heads: Optional[int] = None  # ... with a static head count <= this
-    graph: Optional[str] = None  # ... only to compiled calls in this kind of graph (CAPTURED_STEP, ONE_CALL_GRAPH)
+    graph: Optional[str] = None  # ... only to calls in this kind of program (CAPTURED_STEP, ONE_CALL_GRAPH, UNCAPTURED)
 
     def matches(self, device: str, problem: DecodeProblem, context: Optional["CallContext"] = None) -> bool:
         return (self.device == device and problem.cache_format in self.formats and self.sparse == problem.sparse
@@ -137,13 +140,28 @@ TABLE: tuple[Row, ...] = (
         "At H=128 FlashMLA stays: Triton took 184 us there",
         max_batch=32, max_heads=16, graph=ONE_CALL_GRAPH),
     Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
+        "H100, up to 16 sequences, eager or compiled without CUDA graphs: the step is host-bound, and our call "
+        "into FlashInfer FA3 (its kernel call repeated without the wrapper's Python) costs about 40 us of host "
+        "time against about 80 us into FlashMLA. Per call, FA3 / FlashMLA eager and compiled: B=8 H=16 "
+        "40.8 / 78.5 and 38.7 / 72.3 us, B=16 H=128 50.4 / 95.0 and 50.3 / 72.1 us (61 calls back to back, "
+        "S=4096; docs/benchmarks.md section 4, eleventh run). With CUDA graphs FlashMLA stays ahead (B=16 H=128 "
+        "47.4 vs 49.8 us)",
+        max_batch=16, graph=UNCAPTURED),
+    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
+        "H100, up to 32 sequences, few heads, eager or compiled without CUDA graphs: as for B <= 16; at B=32 "
+        "H=16 FA3 63.8 / 63.8 us eager / compiled against FlashMLA's 80.5 / 80.5 and sgl-flash-mla's direct call "
+        "61.5 (eleventh run). At H=128 FlashMLA's kernel is long enough to hide its host work (compiled 80.7 vs "
+        "84.6 us)",
+        max_batch=32, max_heads=16, graph=UNCAPTURED),
+    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
         "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
         "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",
         max_batch=1),
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
         "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins on "
-        "variable lengths and is within 5% of FlashInfer FA3 on uniform ones; it schedules on the device, "
-        "where FA3 plans on the host every step. FA3 takes page sizes other than 64"),
+        "variable lengths (H=16: 139 vs FA3's 163 us at B=128, 74.6 vs 86.7 at B=64; section 4, eleventh run) and "
+        "is within 5% of FlashInfer FA3 on uniform ones (B=128 H=16: 214.4 vs 211.5 us); it schedules on the "
+        "device, where FA3 plans on the host every step. FA3 takes page sizes other than 64"),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
         "H100, compiled per call: FlashMLA-fp8 fastest, but it computes with q in e4m3 (one scale per tensor), "
         "so it takes only calls that opted in (a static q_scale, or allow_fp8_query; errors in docs/backends.md); "
@@ -380,10 +398,18 @@ def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scal
     return select_backend(problem, backends.device_capability(q_nope.device))
 
 
-def backend_for_eager(problem: DecodeProblem, device: torch.device) -> Backend:
-    """The backend an eager call runs on (the same choice as the compiler's). ``ops`` asks once per call
-    signature, user preference, FP8-query opt-in and set of registered backends, and keeps the answer."""
-    return backends.get_backend(select_backend(problem, backends.device_capability(device)).backend)
+# An eager call made while the user captures a CUDA graph: its replays repeat the call without its host work,
+# like a captured graph of one call.
+EAGER_CAPTURE = CallContext(calls_sharing_plan=1, captured=True)
+
+
+def backend_for_eager(problem: DecodeProblem, device: torch.device, captured: bool = False) -> Backend:
+    """The backend an eager call runs on (the same choice as the compiler's; ``captured``: the call is made
+    while a CUDA graph is captured, chosen as in a captured one-call graph). ``ops`` asks once per call
+    signature, user preference, FP8-query opt-in, set of registered backends and capture state, and keeps
+    the answer."""
+    context = EAGER_CAPTURE if captured else None
+    return backends.get_backend(select_backend(problem, backends.device_capability(device), context=context).backend)
 
 
 # Who writes new tokens into a cache (``mla.cache_append``): the first that is available and can write

@@ -392,6 +392,22 @@ def test_empty_rows_are_finished_only_where_the_plan_has_some(fake_flashinfer, m
     assert bool(calls) == finished
 
 
+def test_a_plan_is_refused_while_a_cuda_graph_is_captured(fake_flashinfer, monkeypatch):
+    """A plan made or looked up during a capture would be replayed with the capture's lengths: refused, with what
+    to do instead, before anything is planned (CUDA tensors stood in for by their ``is_cuda``)."""
+    x = make_decode_inputs([5, 70], num_heads=4)
+    key = common._wrapper_key("fa3", x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.softmax_scale, None)
+    on_cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(common, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"flashinfer_fa3 backend plans on the host.*reduce-overhead.*"
+                                           r"prefer_backends\("):
+        common.planned_counts(key, on_cuda, x.kv_cache, x.block_table, x.seq_lens, None)
+    assert not FakeWrapper.instances  # nothing planned
+    common.planned_counts(key, x.q_nope, x.kv_cache, x.block_table, x.seq_lens, None)  # CPU tensors: never captured
+    monkeypatch.setattr(common, "_capturing", lambda: False)
+    common.planned_counts(key, on_cuda, x.kv_cache, x.block_table, x.seq_lens, None)  # a stored plan, no capture
+
+
 def test_run_without_plan_is_an_error(fake_flashinfer):
     x = make_decode_inputs([5, 70], num_heads=4)
     with pytest.raises(RuntimeError, match="plan op must run first"):
@@ -563,6 +579,34 @@ def test_gpu_cudagraph_replay_sees_new_plan():
             ref_out, ref_lse = mla_inductor.paged_decode_reference(*args[:5], scale, x.kv_scale)
             assert relative_error(out, ref_out) < TOLERANCE[torch.bfloat16], lens
             assert relative_error(lse, ref_lse) < 1e-3, lens
+
+
+@pytest.mark.gpu
+def test_gpu_eager_calls_in_a_users_capture_run_on_a_device_planned_kernel():
+    """Eager calls captured with torch.cuda.graph: where FA3 would take them uncaptured (B <= 16), the capture
+    gets a backend scheduling on the device, and replays with new lengths stay right; FA3 preferred in a
+    capture is refused with an error, not replayed with the capture's plan."""
+    x = make_decode_inputs([1000, 5, 300, 64], num_heads=16, device="cuda", seed=9)
+    _gpu_backend_or_skip("flashinfer_fa3", x)
+    args = list(x.args())
+    assert mla_inductor.backend_for_call(*args).backend == "flashinfer_fa3"  # uncaptured eager: FA3
+    torch.ops.mla.paged_decode(*args)
+    with mla_inductor.prefer_backends("triton"):
+        torch.ops.mla.paged_decode(*args)  # compiles the kernel the capture will take, outside it
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.mla.paged_decode(*args)
+    for lens in ([7, 63, 1, 64], [1024, 1, 320, 0]):  # within each sequence's pages (1024, 64, 320, 64 slots)
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mla_inductor.paged_decode_reference(*args)[0]
+        assert relative_error(out, want) < TOLERANCE[torch.bfloat16], lens
+    with mla_inductor.prefer_backends("flashinfer_fa3"), pytest.raises(RuntimeError, match="cannot run inside a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.ops.mla.paged_decode(*args)
 
 
 # ----------------------------------------------------------------------------- empty-row masking kernel

@@ -527,6 +527,29 @@ def test_eager_calls_see_each_change_of_the_preference_env_var_and_context(monke
         unregister_backend("recording_test")
 
 
+def test_an_eager_call_made_during_a_capture_is_selected_as_a_captured_one(monkeypatch):
+    """The eager path keys its per-signature choice on whether the call is being captured in a CUDA graph, and
+    asks the selection for a captured call then (its replays skip the host work a plan on the host needs)."""
+    from mla_inductor import ops
+
+    asked = []
+    choose = ops.backend_for_eager
+    monkeypatch.setattr(ops, "backend_for_eager", lambda problem, device, captured: asked.append(captured) or
+                        choose(problem, device, captured))
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
+    args = _small_args()
+    want = mla_inductor.paged_decode_reference(*args)[0]
+    assert torch.allclose(torch.ops.mla.paged_decode(*args), want)
+    torch.ops.mla.paged_decode(*args)
+    assert asked == [False]  # one choice per signature and capture state
+    monkeypatch.setattr(ops, "being_captured", lambda t: True)
+    monkeypatch.setattr(ops, "check_decode_values", lambda *a, **k: None)  # device-side asserts while captured
+    monkeypatch.setattr(ops, "assert_decode_values_on_device", lambda *a, **k: None)
+    assert torch.allclose(torch.ops.mla.paged_decode(*args), want)
+    torch.ops.mla.paged_decode(*args)
+    assert asked == [False, True]
+
+
 def test_debug_checks_follow_the_env_var_on_every_call(monkeypatch):
     from mla_inductor.contract import DEBUG_ENV, debug_checks_enabled
 

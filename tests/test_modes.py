@@ -114,8 +114,8 @@ def lowered(calls: int, fmt: str, B, T=None, heads=H, sizes: Sizes | None = None
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_symbolic_batch_selects_like_the_static_one(fake_sm90, fmt, heads):
     """B, T and H symbolic, as ``dynamic=True`` makes them: H is fixed to its traced value by a guard, Q = T / B
-    by a guard, and B (traced 8) falls in the class 1 < B <= 32, whose backend is the static B=8's; B is guarded
-    only at the class limits where the selection changes."""
+    by a guard, and B (traced 8) falls in the class 1 < B <= 16 (the table's batch limits are 1, 16 and 32), whose
+    backend is the static B=8's; B is guarded only at the class limits where the selection changes."""
     _, (static,) = lowered(1, fmt, B=8, heads=heads)
     sizes = Sizes()
     B, T, sym_heads = sizes.symbolic("B", 8), sizes.symbolic("T", 8), sizes.symbolic("H", heads)
@@ -124,7 +124,7 @@ def test_a_symbolic_batch_selects_like_the_static_one(fake_sm90, fmt, heads):
     # a one-call bf16 graph of few sequences and heads to Triton too (the one-call row for B <= 32, H <= 16).
     expected = "triton" if fmt == "fp8_e4m3" or heads <= 16 else "flashmla"
     assert symbolic.backend == static.backend == expected
-    assert symbolic.problem == dataclasses.replace(static.problem, batch=32)
+    assert symbolic.problem == dataclasses.replace(static.problem, batch=16)  # the class 1 < B <= 16 (table limits)
     assert f"num_heads: specialized to {heads}" in symbolic.notes
     # Only the batch limits where the selection changes are guarded: one-call bf16 graphs go to Triton up to
     # B=32 at H=16 and from B=2 to FlashMLA at H=128; fp8 (q in bf16) goes to Triton at any B.

@@ -8,7 +8,7 @@ import torch
 import mla_inductor
 from mla_inductor.backends import registered_backends
 from mla_inductor.info import backend_matrix_markdown, example_problem, matrix_rows
-from mla_inductor.selection import BACKEND_ENV, TABLE, CallContext, device_class, select_backend
+from mla_inductor.selection import BACKEND_ENV, EAGER_CAPTURE, TABLE, CallContext, device_class, select_backend
 from triton_support import TRITON_DEVICE, needs_triton, needs_triton_on_cpu
 
 EVERYTHING = {name: None for name in registered_backends()}
@@ -41,9 +41,11 @@ def test_every_cell_selects_a_backend():
 
 @pytest.mark.parametrize("batch,want", [(1, "flashinfer_fa3"), (2, "flashmla"), (None, "flashmla")])
 def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
-    """Only a static B=1 takes the single-sequence row; a symbolic batch (mark_unbacked) cannot."""
+    """Only a static B=1 takes the single-sequence row in a whole step captured in CUDA graphs; a symbolic batch
+    (mark_unbacked) cannot."""
     problem = example_problem("cuda", "bf16", False, 128, 64, batch=batch)
-    assert select_backend(problem, SM90, available=EVERYTHING, preference=()).backend == want
+    captured_step = CallContext(61, captured=True)
+    assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=captured_step).backend == want
     fp8 = example_problem("cuda", "fp8_e4m3", False, 128, 64, batch=batch, fp8_query=True)
     assert select_backend(fp8, SM90, available=EVERYTHING, preference=()).backend == "flashmla"
 
@@ -67,11 +69,26 @@ def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
     (128, 32, CallContext(1, captured=True), "flashmla"),
     (16, 32, CallContext(61, captured=True), "flashmla"),       # a whole step: FlashMLA's schedule is shared
     (16, None, CallContext(1, captured=True), "flashmla"),      # a symbolic batch takes no row limited by B
+    # Eager calls and whole steps without CUDA graphs (host-bound at small B): FA3 up to B=16 at any H and up to
+    # B=32 at H <= 16 (eleventh run); beyond, and with CUDA graphs, FlashMLA.
+    (128, 16, None, "flashinfer_fa3"),
+    (128, 16, CallContext(61, captured=False), "flashinfer_fa3"),
+    (128, 17, None, "flashmla"),
+    (128, 16, CallContext(61, captured=True), "flashmla"),
+    (16, 32, None, "flashinfer_fa3"),
+    (16, 32, CallContext(61, captured=False), "flashinfer_fa3"),
+    (16, 33, None, "flashmla"),
+    (32, 32, None, "flashmla"),
+    (16, None, None, "flashmla"),
+    # An eager call made while the user captures a CUDA graph: chosen as in a captured one-call graph (FA3's host
+    # plan cannot be replayed): Triton at B <= 32 H <= 16, FlashMLA above.
+    (16, 8, EAGER_CAPTURE, "triton"),
+    (128, 8, EAGER_CAPTURE, "flashmla"),
 ])
 def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
-    """The rows limited to a kind of graph (captured whole steps at B=1 H <= 16: docs/benchmarks.md section 4,
-    sixth run; one-call graphs at B=1 any H: eighth run; at B <= 32 H <= 16: tenth run) apply to exactly those
-    calls."""
+    """The rows limited to a kind of program (captured whole steps at B=1 H <= 16: docs/benchmarks.md section 4,
+    sixth run; one-call graphs at B=1 any H: eighth run; at B <= 32 H <= 16: tenth run; eager calls and steps
+    without CUDA graphs at B <= 16, and B <= 32 H <= 16: eleventh run) apply to exactly those calls."""
     problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 

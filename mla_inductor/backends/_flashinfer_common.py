@@ -269,6 +269,7 @@ _WRAPPERS: dict[_WrapperKey, _PlannedWrapper] = {}
 # The last plan of each wrapper, reused while block_table / seq_lens / sparse_indices are unchanged: one
 # plan per step when the layers are compiled separately or run eagerly.
 PLANS = PlanCache("flashinfer_wrapper")
+_capturing = stream_capture_query()
 
 
 def _wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices) -> _WrapperKey:
@@ -296,9 +297,23 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
 
 def planned_counts(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
     """The row counts of the plan ``PLANS`` holds for ``key`` from these tensors as they are now, planning
-    (and storing) first where it holds none."""
+    (and storing) first where it holds none. Refuses while a CUDA graph is captured (``refuse_capture``)."""
+    if q_nope.is_cuda and _capturing():
+        refuse_capture(key.fi_backend)
     counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
     return counts if counts is not None else make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+
+
+def refuse_capture(fi_backend: str) -> None:
+    """FlashInfer's wrapper plans on the host from the lengths it reads then: a plan made or looked up while a CUDA
+    graph is captured would be replayed with the capture's lengths (wrong results once they change), so the
+    call is refused with what to do instead."""
+    raise RuntimeError(
+        f"mla_inductor: the flashinfer_{fi_backend} backend plans on the host from the sequence lengths, so it "
+        f"cannot run inside a CUDA graph you capture (torch.cuda.graph): every replay would reuse the lengths of "
+        f"the capture. Capture compiled code with torch.compile(mode=\"reduce-overhead\") (the plan then runs "
+        f"outside the graph before each replay), or run the captured calls on a backend that schedules on the "
+        f"device: mla_inductor.prefer_backends(\"flashmla\", \"triton\").")
 
 
 def make_plan(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
@@ -340,7 +355,6 @@ def make_plan(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_
 # The compiled graph's run op finds its wrapper's key from the call's shapes (no plan handle crosses the graph):
 # per distinct shapes, the key is computed once (a flat tuple of what ``_wrapper_key`` reads, then a dict lookup).
 _KEYS_BY_SHAPES: Memo = Memo()
-_capturing = stream_capture_query()
 
 
 def _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices) -> _WrapperKey:
