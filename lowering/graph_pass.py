@@ -160,15 +160,18 @@ def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, cons
     return replacement
 
 
-def _plan_key(node: torch.fx.Node, target=True):
+def _plan_key(node: torch.fx.Node, target=True, by_value=False):
     """Plans are equal when they see the same block_table / seq_lens / sparse_indices nodes, constants and
     per-layer tensors of the same shape and dtype (a plan reads only their metadata). ``target=False``: the
-    key of the plan a decode call would share (its op left out)."""
+    key of the plan a decode call would share (its op left out). ``by_value``: symbolic sizes compared by the
+    values they were traced with (where they have one), not by their symbols."""
+    size = _traced_size_key if by_value else size_key
+
     def meta(a):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         if not isinstance(v, torch.Tensor):
             return a
-        return tuple(map(size_key, v.shape)), v.dtype, tuple(map(size_key, v.stride()))
+        return tuple(map(size, v.shape)), v.dtype, tuple(map(size, v.stride()))
 
     # Decode calls carry the optional q_scale as a ninth argument; a plan reads only the contract's eight.
     args = _bind_decode_args(node.args, node.kwargs, OP_ARG_NAMES)[:len(DECODE_ARG_NAMES)]
@@ -177,11 +180,18 @@ def _plan_key(node: torch.fx.Node, target=True):
             seq_lens, softmax_scale, sparse)
 
 
+def _traced_size_key(size):
+    hint = size_hint(size)
+    return size_key(size) if hint is None else hint
+
+
 def _call_contexts(graph: torch.fx.Graph) -> dict[torch.fx.Node, CallContext]:
     """Each decode call's context: how many calls of the graph would share its plan (the same block_table /
-    seq_lens / sparse_indices and static shapes), and whether the graph will be captured in CUDA graphs."""
+    seq_lens / sparse_indices and shapes), and whether the graph will be captured in CUDA graphs. Sizes count
+    by their traced values: automatic dynamic gives each layer's query its own symbol for the batch, which
+    the calls' own guards (Q = T / B) equate only when each call is lowered, after its selection."""
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _DECODE_OPS]
-    keys = {n: _plan_key(n, target=False) for n in calls}
+    keys = {n: _plan_key(n, target=False, by_value=True) for n in calls}
     sharing = Counter(keys.values())
     captured = cudagraphs_enabled()
     return {n: CallContext(sharing[keys[n]], captured) for n in calls}

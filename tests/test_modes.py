@@ -220,6 +220,53 @@ def test_compile_modes_select_like_static_for_every_batch(planned_backend, mode)
     assert symbolic, "no graph had a symbolic batch"
 
 
+@pytest.mark.parametrize("mode", ["automatic", "mark_dynamic"])
+def test_calls_with_a_query_each_share_a_plan_under_a_symbolic_batch(planned_backend, mode):
+    """A step whose layers each take their own query (as a model's do; q_nope / q_pe slices of one [T, H, L+R]
+    tensor, as the benchmarks pass them), compiled with a symbolic batch: every layer's query has its own symbol
+    for T, which only each call's lowering equates with B. The calls still count as sharing one plan (the
+    context the selection reads: a whole step, not a one-call graph; found on an H100, where such steps
+    were selected as one-call graphs), and the graph plans once."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    n, width = 3, SMALL["kv_lora_rank"]
+
+    def step(qs, cache, block_table, seq_lens, kv_scale):
+        return [torch.ops.mla.paged_decode(q[..., :width], q[..., width:], cache, block_table, seq_lens, 0.07, kv_scale)
+                for q in qs]
+
+    compiled = torch.compile(step, fullgraph=True)
+    codes = []
+
+    def run_all():
+        # The generated code kept as run_and_get_code does, without its reset (which would forget the first batch
+        # size, so the second would compile static again).
+        with fresh_cache(), mla_inductor.prefer_backends("planned_test"), \
+                mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            for i, B in enumerate((4, 8)):
+                x = make_decode_inputs(seq_lens=[(7 * b + i) % 11 + 1 for b in range(B)], max_pages=3, seed=i, **SMALL)
+                q = torch.cat([x.q_nope, x.q_pe], -1)
+                qs = [q] + [torch.randn_like(q) for _ in range(n - 1)]
+                if mode == "mark_dynamic":
+                    for t in (*qs, x.kv_cache, x.block_table, x.seq_lens):
+                        torch._dynamo.mark_dynamic(t, 0)
+                outs = compiled(qs, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+                for out, q in zip(outs, qs):
+                    want = mla_inductor.paged_decode_reference(q[..., :width], q[..., width:], x.kv_cache, x.block_table,
+                                                               x.seq_lens, 0.07, x.kv_scale)[0]
+                    assert relative_error(out, want) < 1e-2
+
+    recorded = _decisions_of(run_all)
+    symbolic = [d for d in recorded if any(note.startswith("batch: symbolic") for note in d.notes)]
+    assert symbolic, "no graph had a symbolic batch"
+    assert all(d.context == CallContext(n, captured=False) for d in recorded), [d.context for d in recorded]
+    assert all(code.count("mla_test.plan.default(") == 1 for code in codes) and codes
+
+
 def test_an_unbacked_batch_takes_the_largest_class(planned_backend):
     """``mark_unbacked`` batch dims (no value to guard on): the class above every batch limit, B=1 included
     in the same graph; the step says T == B (one new token per sequence), so Q is known without a guard."""
