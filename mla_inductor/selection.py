@@ -390,9 +390,10 @@ def select_backend(
 
 def backend_for_call(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                      sparse_indices=None, q_scale=None) -> Selection:
-    """The backend a ``mla.paged_decode`` call with these arguments gets (eager, and compiled: the pass
-    asks the same question). Unlike ``mla_inductor.lowering.decisions()``, which lists what compiled
-    graphs chose, it answers before anything is compiled or run. Only shapes, dtypes and devices are read."""
+    """The backend an eager ``mla.paged_decode`` call with these arguments gets, outside a CUDA-graph capture
+    (also a compiled call's in a whole step without CUDA graphs; in other graphs the pass asks with the
+    graph's ``CallContext``, and ``mla_inductor.lowering.decisions()`` lists what compiled graphs chose). It
+    answers before anything is compiled or run. Only shapes, dtypes and devices are read."""
     problem = check_decode_args(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                 sparse_indices, q_scale)
     return select_backend(problem, backends.device_capability(q_nope.device))
