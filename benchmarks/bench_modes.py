@@ -146,18 +146,14 @@ def make_case(B: int, H: int, fmt: str, seed: int = 0) -> Case:
 
 
 def decisions_during(fn: Callable[[], object], lower_afresh: bool = True) -> tuple[object, list[str]]:
-    """(fn's result, the backends the pass chose while it ran). ``lower_afresh``: Inductor's graph caches are
-    bypassed (a graph served from them runs no pass and records nothing); parts a-c compile graphs of
-    opaque calls, cheap to lower again."""
-    from mla_inductor.lowering import decisions
+    """(fn's result, the backends the pass chose while it ran: empty where it compiled nothing). ``lower_afresh``:
+    Inductor's graph caches are bypassed (a graph served from them runs no pass); parts a-c compile graphs of
+    opaque calls, cheap to lower again. Every decision counts, also one equal to an earlier graph's."""
+    from mla_inductor.lowering import decisions_made
 
-    before = set(decisions())
-    if lower_afresh:
-        with lowered_afresh():
-            result = fn()
-    else:
+    with decisions_made() as made, (lowered_afresh() if lower_afresh else contextlib.nullcontext()):
         result = fn()
-    return result, sorted({d.backend for d in decisions() if d not in before})
+    return result, sorted({d.backend for d in made})
 
 
 class OurStep:

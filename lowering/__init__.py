@@ -8,8 +8,8 @@ ours.
 """
 
 from mla_inductor.lowering.graph_pass import MLALoweringPass, install, installed_pass, uninstall
-from mla_inductor.lowering.records import Decision, decisions
+from mla_inductor.lowering.records import Decision, decisions, decisions_made
 
 install()
 
-__all__ = ["Decision", "MLALoweringPass", "decisions", "install", "installed_pass", "uninstall"]
+__all__ = ["Decision", "MLALoweringPass", "decisions", "decisions_made", "install", "installed_pass", "uninstall"]

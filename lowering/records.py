@@ -49,6 +49,7 @@ class Decision:
 
 _decisions: dict[Decision, None] = {}  # ordered set
 _graphs_being_lowered: list[dict[Decision, None]] = []
+_watchers: list[list[Decision]] = []  # the lists of open ``decisions_made`` blocks
 
 
 def decisions() -> list[Decision]:
@@ -57,7 +58,23 @@ def decisions() -> list[Decision]:
     return list(_decisions)
 
 
+@contextlib.contextmanager
+def decisions_made() -> Iterator[list[Decision]]:
+    """Every decision recorded while the block runs, in order, repeats included (``decisions()`` lists each
+    distinct one once): what the graphs the pass rewrites in the block chose, even where an earlier graph
+    chose the same (and the choices of a graph loaded from Inductor's caches whose record this process had not
+    seen, on its first run)."""
+    made: list[Decision] = []
+    _watchers.append(made)
+    try:
+        yield made
+    finally:
+        _watchers.remove(made)
+
+
 def _remember(decision: Decision, how: str) -> None:
+    for made in _watchers:
+        made.append(decision)
     if decision not in _decisions:
         _decisions[decision] = None
         skipped = f" (passed over: {'; '.join(decision.reasons)})" if decision.reasons else ""

@@ -107,3 +107,27 @@ def test_preference_set_by_environment_after_compiling_warns(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV)
     with pytest.warns(UserWarning, match=r"under the backend preference \('reference',\); the preference is now None"):
         compiled(*ARGS)
+
+
+def test_decisions_made_lists_every_decision_of_the_block_repeats_included():
+    """decisions() keeps each distinct choice once; decisions_made() lists what the graphs compiled inside the
+    block decided, also a choice an earlier graph made already (how a benchmark tells which backend a
+    recompiled graph runs)."""
+    from mla_inductor.lowering import decisions_made
+
+    # Every compile lowered afresh (a graph served from Inductor's cache whose record this process made decides
+    # nothing anew).
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=False):
+        compile_and_run()  # the choice is known before the block
+        known = len(decisions())
+        with decisions_made() as made:
+            compile_and_run()
+            compile_and_run()
+        with decisions_made() as outer, decisions_made() as inner:
+            compile_and_run()
+    assert len(decisions()) == known  # nothing new to decisions()
+    assert len(made) == 2 and made[0] == made[1] and made[0] in decisions()
+    assert len(outer) == len(inner) == 1
+    with decisions_made() as idle:
+        step(*ARGS)  # eager: the pass decides nothing
+    assert idle == []
