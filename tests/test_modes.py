@@ -345,6 +345,17 @@ def test_a_one_call_graph_at_batch_one_goes_to_triton(fake_sm90):
         assert one.backend == "triton" and one.context == CallContext(1, captured) and one.reasons == ()
 
 
+@pytest.mark.parametrize("batch,heads,uncaptured", [(8, 128, "flashinfer_fa3"), (32, 16, "flashinfer_fa3"),
+                                                    (32, 128, "flashmla"), (64, 16, "flashmla")])
+def test_a_whole_step_without_cuda_graphs_takes_the_host_cheap_backend(fake_sm90, batch, heads, uncaptured):
+    """A step of many layers compiled without CUDA graphs is bound by host work at small B: FA3 up to B=16, and
+    B=32 at H <= 16 (docs/benchmarks.md section 4, eleventh run); the same step captured keeps FlashMLA."""
+    _, (plain,) = lowered(4, "bf16", B=batch, heads=heads)
+    assert plain.context == CallContext(4, False) and plain.backend == uncaptured
+    _, (captured,) = lowered(4, "bf16", B=batch, heads=heads, captured=True)
+    assert captured.context == CallContext(4, True) and captured.backend == "flashmla"
+
+
 def test_a_one_call_graph_names_the_plan_cost(fake_sm90, monkeypatch):
     """Without FlashMLA, FA3 leads the B=2 H=128 row; a graph of one call cannot share its host plan, so Triton,
     which needs no plan, goes first, and the decision says why."""
