@@ -1,7 +1,7 @@
 """A Hugging Face DeepSeek-V3 split over processes: tensor parallel attention, optionally with decode context
 parallelism, generating the same tokens as one process.
 
-    torchrun --nproc-per-node 2 examples/deepseek_tp.py [--dcp 1|2] [--fmt bf16|fp8_e4m3] [--steps 16]
+    torchrun --nproc-per-node 2 examples/deepseek_tp.py [--dcp 1|2] [--fmt bf16|fp8_e4m3] [--dtype bf16|fp32] [--steps 16]
 
 Every process builds the same small random-weight model (no hub access; needs ``pip install
 'transformers>=5'``), keeps H / world heads of each attention layer (``shard_deepseek_attention_tp``:
@@ -53,6 +53,8 @@ def main():
     p.add_argument("--dcp", type=int, default=1, help="DCP group size (divides the number of processes)")
     p.add_argument("--exchange", default="a2a", choices=["a2a", "ag_rs"])
     p.add_argument("--fmt", default=None, help="cache format: bf16/fp32/fp8_e4m3/fp8_ds_mla (default: model dtype)")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                   help="model dtype (default: bf16 on GPUs, fp32 on CPU)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=16)
@@ -64,7 +66,7 @@ def main():
     device = f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype, torch.bfloat16 if cuda else torch.float32)
     config = dict(SMALL_V3, **REAL_ATTENTION_DIMS) if cuda else SMALL_V3
     sizes = dict(batch_size=args.batch, max_seq_len=args.prompt_len + args.steps + 1, fmt=args.fmt,
                  page_size=64 if cuda else 16, kv_scale=0.05 if args.fmt == "fp8_e4m3" else 1.0)

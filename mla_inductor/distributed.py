@@ -51,6 +51,7 @@ from mla_inductor import _compat
 from mla_inductor.backends._common import tensor_state
 from mla_inductor.cache import (PagedLatentCache, cache_dtype, fp8_scale_for, host_lengths, register_host_lengths,
                                 token_width)
+from mla_inductor.contract import being_captured
 from mla_inductor.merge import clean_lse
 
 Tensor = torch.Tensor
@@ -230,7 +231,7 @@ class StepLengths:
         self._last: Optional[tuple] = None  # (seq_lens, its state, layout, local lengths)
 
     def of(self, layout: DCPLayout, seq_lens: Tensor) -> Tensor:
-        if _compat.traced() or (seq_lens.is_cuda and _capturing()):
+        if _compat.traced() or being_captured(seq_lens):
             return layout.local_lengths(seq_lens)
         state = tensor_state(seq_lens)
         last = self._last
@@ -245,7 +246,6 @@ class StepLengths:
 
 
 STEP_LENGTHS = StepLengths()
-_capturing = _compat.stream_capture_query()
 
 
 def local_decode_with_lse(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,

@@ -116,6 +116,10 @@ FP8 = ("fp8_e4m3",)
 DS = ("fp8_ds_mla",)
 FP32 = ("fp32",)
 
+# The SM90 bf16/fp16 dense orders the rows below share.
+SM90_TRITON_FIRST = ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference")
+SM90_FA3_FIRST = ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference")
+
 # First matching row wins; each backend's supports() then filters (page size, heads, Q, ...), and the
 # reference closes every row so a call always runs. The measurements behind each row: docs/benchmarks.md.
 TABLE: tuple[Row, ...] = (
@@ -127,19 +131,19 @@ TABLE: tuple[Row, ...] = (
         "section 4, sixth run; at H=128 the two tie, 20.8 vs 20.75 us). Not eagerly or without CUDA graphs, where "
         "its two launches cost more host time than FA3's whole call",
         max_batch=1, max_heads=16, graph=CAPTURED_STEP),
-    Row("sm90", BF16, False, ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference"),
+    Row("sm90", BF16, False, SM90_TRITON_FIRST,
         "H100, one sequence, a graph of one call (a layer compiled alone, an MTP draft layer): our Triton kernel's "
         "two launches (split-KV decode 12.8 us + merge 6.3 us of device time at H=128) against FlashMLA's "
         "schedule, kernel and combine (11.5 + 11.9 + 11.2 us), profiled in one-call graphs; FlashInfer FA3 plans "
         "on the host every graph call (docs/benchmarks.md section 4, eighth run)",
         max_batch=1, graph=ONE_CALL_GRAPH),
-    Row("sm90", BF16, False, ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference"),
+    Row("sm90", BF16, False, SM90_TRITON_FIRST,
         "H100, up to 32 sequences, few heads, a graph of one call: our Triton kernel 74.9 us with CUDA graphs and "
         "82.7 without, against FlashMLA's 98.9 / 231.7 us (its schedule and combine run every graph call) and "
         "sgl-flash-mla's direct call 71.3 us (B=32, H=16, S=4096; docs/benchmarks.md section 4, tenth run). "
         "At H=128 FlashMLA stays: Triton took 184 us there",
         max_batch=32, max_heads=16, graph=ONE_CALL_GRAPH),
-    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
+    Row("sm90", BF16, False, SM90_FA3_FIRST,
         "H100, up to 16 sequences, eager or compiled without CUDA graphs: the step is host-bound, and our call "
         "into FlashInfer FA3 (its kernel call repeated without the wrapper's Python) costs about 40 us of host "
         "time against about 80 us into FlashMLA. Per call, FA3 / FlashMLA eager and compiled: B=8 H=16 "
@@ -147,13 +151,13 @@ TABLE: tuple[Row, ...] = (
         "S=4096; docs/benchmarks.md section 4, eleventh run). With CUDA graphs FlashMLA stays ahead (B=16 H=128 "
         "47.4 vs 49.8 us)",
         max_batch=16, graph=UNCAPTURED),
-    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
+    Row("sm90", BF16, False, SM90_FA3_FIRST,
         "H100, up to 32 sequences, few heads, eager or compiled without CUDA graphs: as for B <= 16; at B=32 "
         "H=16 FA3 63.8 / 63.8 us eager / compiled against FlashMLA's 80.5 / 80.5 and sgl-flash-mla's direct call "
         "61.5 (eleventh run). At H=128 FlashMLA's kernel is long enough to hide its host work (compiled 80.7 vs "
         "84.6 us)",
         max_batch=32, max_heads=16, graph=UNCAPTURED),
-    Row("sm90", BF16, False, ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference"),
+    Row("sm90", BF16, False, SM90_FA3_FIRST,
         "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
         "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",
         max_batch=1),

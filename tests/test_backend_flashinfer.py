@@ -398,13 +398,15 @@ def test_a_plan_is_refused_while_a_cuda_graph_is_captured(fake_flashinfer, monke
     x = make_decode_inputs([5, 70], num_heads=4)
     key = common._wrapper_key("fa3", x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.softmax_scale, None)
     on_cuda = types.SimpleNamespace(is_cuda=True)
-    monkeypatch.setattr(common, "_capturing", lambda: True)
+    from mla_inductor import contract
+
+    monkeypatch.setattr(contract, "_capturing", lambda: True)
     with pytest.raises(RuntimeError, match=r"flashinfer_fa3 backend plans on the host.*reduce-overhead.*"
                                            r"prefer_backends\("):
         common.planned_counts(key, on_cuda, x.kv_cache, x.block_table, x.seq_lens, None)
     assert not FakeWrapper.instances  # nothing planned
     common.planned_counts(key, x.q_nope, x.kv_cache, x.block_table, x.seq_lens, None)  # CPU tensors: never captured
-    monkeypatch.setattr(common, "_capturing", lambda: False)
+    monkeypatch.setattr(contract, "_capturing", lambda: False)
     common.planned_counts(key, on_cuda, x.kv_cache, x.block_table, x.seq_lens, None)  # a stored plan, no capture
 
 

@@ -67,7 +67,7 @@ from mla_inductor.backends._common import (
     visible_key_counts,
 )
 from mla_inductor.cache import cache_dtype, host_lengths
-from mla_inductor.contract import DecodeProblem
+from mla_inductor.contract import DecodeProblem, being_captured
 
 Tensor = torch.Tensor
 
@@ -298,7 +298,7 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
 def planned_counts(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
     """The row counts of the plan ``PLANS`` holds for ``key`` from these tensors as they are now, planning
     (and storing) first where it holds none. Refuses while a CUDA graph is captured (``refuse_capture``)."""
-    if q_nope.is_cuda and _capturing():
+    if being_captured(q_nope):
         refuse_capture(key.fi_backend)
     counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
     return counts if counts is not None else make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)

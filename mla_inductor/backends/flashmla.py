@@ -73,7 +73,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mla_inductor._compat import real_tensors, stream_capture_query
+from mla_inductor._compat import real_tensors
 from mla_inductor._library import define_op
 from mla_inductor.backends import Backend
 from mla_inductor.backends._common import (
@@ -89,7 +89,7 @@ from mla_inductor.backends._common import (
     visible_key_counts,
 )
 from mla_inductor.cache import cache_dtype, cache_format
-from mla_inductor.contract import DecodeProblem, empty_decode_outputs
+from mla_inductor.contract import DecodeProblem, being_captured, empty_decode_outputs
 
 Tensor = torch.Tensor
 
@@ -605,9 +605,6 @@ def eager_plan_config(q_nope, kv_cache, block_table, sparse_indices) -> tuple:
             None if sparse_indices is None else sparse_indices.shape)
 
 
-_capturing = stream_capture_query()
-
-
 def decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                          need_lse: bool = True, q_scale: Optional[Tensor] = None, config: Optional[tuple] = None,
                          mode: Optional[str] = None):
@@ -616,7 +613,7 @@ def decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_
     one and stores it. While a CUDA graph is captured the call plans inline and stores nothing: its replays
     must recompute the plan from the lengths they see. Returns ``(out, lse or None)``. ``config`` / ``mode``:
     ``eager_plan_config(...)`` and the call's mode, where the caller has them already (eager: per signature)."""
-    capturing = q_nope.is_cuda and _capturing()
+    capturing = being_captured(q_nope)
     config = config or eager_plan_config(q_nope, kv_cache, block_table, sparse_indices)
     stored = None if capturing else PLANS.get(config, block_table, seq_lens, sparse_indices)
     out, lse, plan = decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
@@ -877,7 +874,7 @@ def _planned_dense_call(decode: Callable, config: tuple, B: int):
         return decode
 
     def planned(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-        plan = None if q_nope.is_cuda and _capturing() else PLANS.get(config, block_table, seq_lens, None)
+        plan = None if being_captured(q_nope) else PLANS.get(config, block_table, seq_lens, None)
         if plan is None or find_providers() is not providers:
             return decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                           q_scale)
