@@ -157,7 +157,8 @@ class FakeModule:
                 visible = n - len(rows) + j + 1 if mask_mode == 1 else n
                 o, s = _attend(q[t], keys[:max(visible, 0)], sm_scale)
                 out[t] = o.to(out.dtype)
-                lse[t] = s if return_lse_base_on_e else s / math.log(2)
+                if lse is not None:  # optional, as FlashInfer's maybe_lse
+                    lse[t] = s if return_lse_base_on_e else s / math.log(2)
 
 
 class FakeWrapper:
@@ -197,7 +198,8 @@ class FakeWrapper:
         c = self.cfg
         assert (q_nope.dtype, ckv_cache.dtype) == c["dtypes"] and ckv_cache.shape[1] == c["page_size"]
         assert (ckv_scale is None) == (ckv_cache.dtype != torch.float8_e4m3fn)
-        assert out is not None and lse is not None and out.shape == q_nope.shape and lse.shape == q_nope.shape[:2]
+        assert out is not None and out.shape == q_nope.shape and (lse is not None) == return_lse
+        assert lse is None or lse.shape == q_nope.shape[:2]
         scale = 1.0 if ckv_scale is None else float(ckv_scale)
         self._cached_module.run(self._float_workspace, None, self._plan_info, q_nope, q_pe, ckv_cache, kpe_cache,
                                 self.bufs["idx"], out, lse, 1 if c["causal"] else 0, q_nope.shape[1],
@@ -410,6 +412,30 @@ def test_a_plan_is_refused_while_a_cuda_graph_is_captured(fake_flashinfer, monke
     common.planned_counts(key, on_cuda, x.kv_cache, x.block_table, x.seq_lens, None)  # a stored plan, no capture
 
 
+@pytest.mark.parametrize("case,lse_handed", [("fp8", False), ("sparse", True), ("q1", True)])
+def test_out_only_op_hands_the_kernel_no_lse_unless_rows_are_finished(fake_flashinfer, monkeypatch, case,
+                                                                     lse_handed):
+    """run_fa3_out (a compiled mla.paged_decode) gives the reference's out; the kernel gets no lse to write
+    (FlashInfer's is optional) unless the plan has rows that see nothing, whose finishing reads it (q1: a
+    length-0 sequence; sparse: an all-padding row). Both the recorded first run and the repeated one."""
+    x = _cpu_inputs(case)
+    backend = get_backend("flashinfer_fa3")
+    handed = []
+    original = FakeModule.run
+    monkeypatch.setattr(FakeModule, "run", lambda self, *a: handed.append(a[9]) or original(self, *a))
+    plan = backend.plan_op()(*x.args())
+    ref_out, _ = mla_inductor.paged_decode_reference(*x.args())
+    for _ in range(2):
+        out = backend.out_only_op()(*x.args(), plan)
+        assert relative_error(out, ref_out) < TOLERANCE[x.q_nope.dtype], relative_error(out, ref_out)
+    assert len(handed) == 2 and (handed[-1] is not None) == lse_handed
+    (w,) = FakeWrapper.instances
+    assert w.runs == 1  # the second call repeated the module call
+    if case == "q1":  # (the stand-in module cannot compute on an fp8 cache under opcheck's schema mode)
+        torch.library.opcheck(backend.out_only_op(), (*x.args(), plan),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 def test_run_without_plan_is_an_error(fake_flashinfer):
     x = make_decode_inputs([5, 70], num_heads=4)
     with pytest.raises(RuntimeError, match="plan op must run first"):
@@ -552,6 +578,7 @@ def test_gpu_compiled(name):
     code = "\n".join(codes)
     fi = name.split("_")[1]
     assert f"run_{fi}" in code and code.count(f"plan_{fi}.default(") == 1, code[-3000:]
+    assert f"run_{fi}_out.default(" in code  # paged_decode reads no lse
     ref_a, _ = mla_inductor.paged_decode_reference(*x.args())
     ref_b, ref_lse = mla_inductor.paged_decode_reference(x.q_nope * 0.5, *x.args()[1:])
     assert relative_error(a, ref_a) < TOLERANCE[torch.bfloat16]

@@ -29,7 +29,8 @@ The wrapper backend, shapes (T = B * Q rows, H heads, L = 512, R = 64, P pages o
   one cache tensor (``ckv = cache[..., :L]``, ``kpe = cache[..., L:]``, no copies), lse in natural log
   (``return_lse_base_on_e=True``), then rows that see nothing are masked on the device (a kernel launched
   only where the last plan has such rows, or when captured in a CUDA graph, whose replays may follow plans
-  that have).
+  that have). ``run_<fa2|fa3>_out``: the same for calls whose lse nobody reads (``mla.paged_decode``): the
+  kernel is handed no lse (FlashInfer's is optional) and none is allocated, except where rows are finished.
 - fp8_e4m3 caches: FlashInfer takes the per-tensor scale as a Python float, which would need
   ``kv_scale.item()`` (a sync, and a constant baked into a CUDA graph). Instead the scale is folded in
   on the device: logits use ``(s * q) . k = q . (s * k)`` and the output ``sum p * (s * v) = s * sum p * v``,
@@ -368,24 +369,29 @@ def _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, spa
 
 
 def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                sparse_indices, plan: list[Tensor], key: Optional[_WrapperKey] = None) -> tuple[Tensor, Tensor]:
-    """Run the wrapper planned for this configuration: ``(out [T, H, L] q's dtype, lse [T, H] fp32)``.
-    ``key``: the configuration's, where the caller has it already (eager: the plan's)."""
+                sparse_indices, plan: list[Tensor], key: Optional[_WrapperKey] = None, with_lse: bool = True):
+    """Run the wrapper planned for this configuration: ``(out [T, H, L] q's dtype, lse [T, H] fp32)``, or out
+    alone where ``with_lse`` is False. ``key``: the configuration's, where the caller has it already."""
     key = key or _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
     entry = _WRAPPERS.get(key)
     if entry is None:
         raise RuntimeError(f"mla_flashinfer::run_{fi_backend}: no plan for this configuration ({key}); "
                            f"the plan op must run first")
-    return run_planned(entry, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, plan[0])
+    return run_planned(entry, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, plan[0], with_lse)
 
 
-def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse_indices,
-                counts: Tensor) -> tuple[Tensor, Tensor]:
-    """``wrapper_run`` on the wrapper ``entry`` (planned for this call's configuration; ``counts``: its plan)."""
+def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts: Tensor,
+                with_lse: bool = True):
+    """``wrapper_run`` on the wrapper ``entry`` (planned for this call's configuration; ``counts``: its plan):
+    ``(out, lse)``, or ``out`` alone where ``with_lse`` is False. Then the kernel writes no lse (FlashInfer's
+    lse is optional) and none is allocated, unless rows that see nothing are to be finished (that reads it)."""
+    # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
+    # launches it, since its replays may follow plans that do.
+    finish = entry.rows_may_be_empty or (entry.on_cuda and _capturing())
     cache = kv_cache if sparse_indices is None else kv_cache.reshape(-1, 1, kv_cache.shape[-1])
     ckv, kpe = cache.split_with_sizes(entry.split, 2)  # one op for both views
     out = q_nope.new_empty(entry.out_shape)
-    lse = q_nope.new_empty(entry.lse_shape, dtype=torch.float32)
+    lse = q_nope.new_empty(entry.lse_shape, dtype=torch.float32) if with_lse or finish else None
     scales = _NO_SCALES
     if entry.fp8:
         # The scale folded into q and out on the device (see the module docstring): one kernel each,
@@ -395,20 +401,19 @@ def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse
         scales = _UNIT_SCALES
     direct_run = entry.direct_run
     if direct_run:
-        direct_run(q_nope, q_pe, ckv, kpe, out, lse)
-    elif direct_run is None:
-        entry.direct_run = _DirectRun.record(entry.wrapper, (q_nope, q_pe, ckv, kpe, out, lse),
+        direct_run(q_nope, q_pe, ckv, kpe, out, lse)  # lse None: the module's lse is optional
+    elif direct_run is None:  # recorded with an lse (the module call then names its place), written or not
+        recorded = lse if lse is not None else q_nope.new_empty(entry.lse_shape, dtype=torch.float32)
+        entry.direct_run = _DirectRun.record(entry.wrapper, (q_nope, q_pe, ckv, kpe, out, recorded),
                                              dict(return_lse=True, return_lse_base_on_e=True, **scales))
     else:
-        entry.wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, return_lse_base_on_e=True,
-                          **scales)
+        entry.wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=lse is not None,
+                          return_lse_base_on_e=True, **scales)
     if scales:
         out.mul_(kv_scale)
-    # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
-    # launches it, since its replays may follow plans that do.
-    if entry.rows_may_be_empty or (entry.on_cuda and _capturing()):
+    if finish:
         finish_empty_rows(out, lse, counts)
-    return out, lse
+    return (out, lse) if with_lse else out
 
 
 _NO_SCALES: dict = {}
@@ -420,7 +425,8 @@ def _wrapper_plan_fake(q_nope, *args):
 
 
 def _define_wrapper_ops(fi_backend: str):
-    """``mla_flashinfer::plan_<b>`` (host work, run outside CUDA graphs) and ``run_<b>`` of one wrapper backend."""
+    """``mla_flashinfer::plan_<b>`` (host work, run outside CUDA graphs), ``run_<b>`` and ``run_<b>_out`` (out
+    alone, no lse written: for calls whose lse nobody reads) of one wrapper backend."""
 
     def plan(*args) -> list[Tensor]:
         # A copy: Inductor may reuse an op's output memory after its last reader, and PLANS keeps the original.
@@ -429,13 +435,18 @@ def _define_wrapper_ops(fi_backend: str):
     def run(*args) -> tuple[Tensor, Tensor]:
         return wrapper_run(fi_backend, *args)
 
+    def run_out(*args) -> Tensor:
+        return wrapper_run(fi_backend, *args, with_lse=False)
+
     plan.__doc__ = (f"Plan FlashInfer's {fi_backend} MLA wrapper for this batch (on the host): returns "
                     f"[row_counts int32 [T]] (keys each query row sees).")
     run.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
                    f"(out [T, H, L], lse [T, H] fp32, natural log).")
+    run_out.__doc__ = f"mla.paged_decode on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: out [T, H, L]."
     return (decode_op(f"mla_flashinfer::plan_{fi_backend}", plan, returns="tensors", takes_plan=False,
                       fake=_wrapper_plan_fake, host_plan=True),
-            decode_op(f"mla_flashinfer::run_{fi_backend}", run))
+            decode_op(f"mla_flashinfer::run_{fi_backend}", run),
+            decode_op(f"mla_flashinfer::run_{fi_backend}_out", run_out, returns="out"))
 
 
 class FlashInferWrapperBackend(Backend):
@@ -455,7 +466,7 @@ class FlashInferWrapperBackend(Backend):
         self.name = name
         self.fi_backend = fi_backend
         self._capability_reason = capability_reason
-        self._plan_op, self._run_op = _define_wrapper_ops(fi_backend)
+        self._plan_op, self._run_op, self._run_out_op = _define_wrapper_ops(fi_backend)
 
     def unavailable_reason(self) -> Optional[str]:
         return flashinfer_unavailable_reason()
@@ -493,6 +504,9 @@ class FlashInferWrapperBackend(Backend):
     def plan_op(self):
         return self._plan_op
 
+    def out_only_op(self):
+        return self._run_out_op
+
     @skips_empty_calls
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         args = (q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
@@ -507,8 +521,7 @@ class FlashInferWrapperBackend(Backend):
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
             counts = planned_counts(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
-            out, lse = run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts)
-            return (out, lse) if with_lse else out
+            return run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts, with_lse)
 
         return decode
 
