@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -12,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_i
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "cudagraphs_enabled", "current_post_grad_pass", "decide",
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled", "current_post_grad_pass", "decide",
            "keep_in_graph", "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize",
            "static_size"]
 
@@ -105,3 +106,67 @@ def keep_in_graph(op) -> None:
     from torch.fx.node import has_side_effect
 
     has_side_effect(op)
+
+
+# ----------------------------------------------------------------------------- calls without the dispatcher
+
+class _Namespace:
+    """``extern_kernels.mla_direct.<namespace>.<op>.<overload>``: the generated code names the op it calls."""
+
+
+DIRECT_ROOT = "mla_direct"
+
+
+def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Optional[str]:
+    """Make Inductor's Python wrapper code call ``impl`` where it would call ``op`` through the dispatcher (its
+    fallback kernel), and return the name the code calls it by; None where this torch's Inductor does not
+    offer what it takes (the op then keeps the dispatcher).
+
+    Inductor writes a fallback kernel's call as ``<python_kernel_name>(args)`` into code that imports
+    ``torch._inductor.select_algorithm.extern_kernels`` (its namespace for kernels outside Inductor,
+    ``ExternKernelChoice``). ``impl`` is put there as ``extern_kernels.mla_direct.<ns>.<op>.<overload>`` and
+    the op gets Inductor's own fallback lowering (with the layout constraint Inductor gives a custom op by its
+    tags), wrapped to rename the fallback kernels it makes. Not for the C++ / FX wrappers, which call ops
+    their own way. Torch 2.11 to 2.14."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor import lowering as inductor_lowering
+        from torch._inductor.select_algorithm import extern_kernels
+        from torch._inductor.virtualized import V
+
+        constraint = inductor_lowering.tag_to_layout_constraint(
+            inductor_lowering.get_layout_constraint_tag(op, with_default=True))
+        fallback_kernel = ir.FallbackKernel
+    except (ImportError, AttributeError):
+        return None
+    namespace, name = op._schema.name.split("::")
+    node = extern_kernels
+    for part in (DIRECT_ROOT, namespace, name):
+        if not isinstance(getattr(node, part, None), _Namespace):
+            setattr(node, part, _Namespace())
+        node = getattr(node, part)
+    overload = op._overloadname
+    setattr(node, overload, impl)
+    kernel_name = f"extern_kernels.{DIRECT_ROOT}.{namespace}.{name}.{overload}"
+    lowerings = inductor_lowering.lowerings
+    if getattr(lowerings.get(op), "_mla_direct_call", None) == kernel_name:
+        return kernel_name
+    if op not in lowerings:
+        inductor_lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+    fallback = lowerings[op]
+
+    def lowering(*args, **kwargs):
+        graph = V.graph
+        made = getattr(graph, "operations", graph.buffers)
+        first = len(made)
+        result = fallback(*args, **kwargs)
+        if not graph.cpp_wrapper and not getattr(graph, "fx_wrapper", False):
+            for kernel in made[first:]:
+                if isinstance(kernel, fallback_kernel) and kernel.op_overload is op:
+                    kernel.python_kernel_name = kernel_name
+        return result
+
+    functools.update_wrapper(lowering, fallback)
+    lowering._mla_direct_call = kernel_name
+    lowerings[op] = lowering
+    return kernel_name

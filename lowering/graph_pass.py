@@ -28,6 +28,7 @@ import torch
 
 import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
+from mla_inductor._library import watch_direct_ops
 from mla_inductor.autotune import autotune_enabled, fastest_backend
 from mla_inductor.backends import (
     availability,
@@ -65,6 +66,7 @@ from mla_inductor.lowering._compat import (
     CustomGraphPass,
     Match,
     as_pass_list,
+    call_without_dispatcher,
     cudagraphs_enabled,
     current_post_grad_pass,
     decide,
@@ -504,9 +506,18 @@ def installed_pass() -> Optional[MLALoweringPass]:
     return current if isinstance(current, MLALoweringPass) else None
 
 
+_direct_calls_arranged = False
+
+
 def install() -> MLALoweringPass:
     """Make our pass Inductor's post-grad custom pass (idempotent; keeps a user's pass, run first). It
-    takes the place of the placeholder ``import mla_inductor`` put there, if that is still there."""
+    takes the place of the placeholder ``import mla_inductor`` put there, if that is still there. The ops the
+    pass writes into graphs are then called by the compiled code without the dispatcher (``_library.
+    define_op(direct=True)``, ``_compat.call_without_dispatcher``): those defined so far and each later one."""
+    global _direct_calls_arranged
+    if not _direct_calls_arranged:
+        _direct_calls_arranged = True
+        watch_direct_ops(call_without_dispatcher)
     current = installed_pass()
     if current is None:
         previous = current_post_grad_pass()

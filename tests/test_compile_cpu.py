@@ -295,3 +295,102 @@ def test_optional_plan_is_dropped_when_one_call_would_use_it(planned_backend, pl
             made = code[0].count("torch.ops.mla_test.plan.default(") + code[0].count(
                 "torch.ops.mla_test.decode_and_plan.default(")
             assert made == plans, fn.__name__
+
+
+# ----------------------------------------------------------------------------- calls without the dispatcher
+
+DIRECT_CALLS: list[int] = []
+
+
+def _direct_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
+    DIRECT_CALLS.append(1)
+    out, lse = mla_inductor.paged_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
+                                                   kv_scale, sparse_indices)
+    return out.contiguous(), lse.contiguous()
+
+
+class _DirectBackend(mla_inductor.backends.Backend):
+    """A backend whose run op is defined as every built-in backend's (``decode_op``)."""
+
+    name = "direct_test"
+    op = None
+
+    def supports(self, problem, capability):
+        return None
+
+    def compiled_op(self):
+        if _DirectBackend.op is None:
+            from mla_inductor.backends._common import decode_op
+
+            _DirectBackend.op = decode_op("mla_direct_test::run", _direct_run)
+        return _DirectBackend.op
+
+    def decode(self, *args):
+        return self.compiled_op()(*args, [])
+
+
+def test_compiled_code_calls_backend_ops_without_the_dispatcher():
+    """The ops the pass writes (a backend's ``decode_op``) are called by the generated code itself, named under
+    ``extern_kernels.mla_direct`` (the dispatcher's part of a call costs as much as a short kernel's host work),
+    even when defined after the pass was installed; the results are the reference's, and the profiler, which
+    records every op the dispatcher runs, records none of these calls."""
+    backends = mla_inductor.backends
+    backends.register_backend("direct_test", _DirectBackend())
+    try:
+        args = _inputs("dense")
+        torch._dynamo.reset()
+        with mla_inductor.prefer_backends("direct_test"), fresh_cache():
+            step = torch.compile(decode_step, fullgraph=True)
+            got, code = run_and_get_code(step, *args)
+            assert code[0].count("= extern_kernels.mla_direct.mla_direct_test.run.default(") == 2, code[0]
+            assert "= torch.ops.mla_direct_test" not in code[0]  # (named in size asserts and comments)
+            del DIRECT_CALLS[:]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                again = step(*args)
+        recorded = {event.key for event in profile.key_averages()}
+        assert len(DIRECT_CALLS) == 2 and not any("mla_direct_test" in key for key in recorded), recorded
+        assert "mla::paged_decode" not in recorded and "aten::empty_strided" in recorded, recorded  # it records
+        want = [mla_inductor.paged_decode_reference(*args[:5], 0.125, *args[5:])[i] for i in (0, 0, 1)]
+        want[0] = want[0] * 2
+        for result in (got, again):
+            for g, w in zip(result, want):
+                assert relative_error(g, w) < 1e-5
+    finally:
+        backends.unregister_backend("direct_test")
+
+
+_CACHED_STEP = """
+import torch
+from torch._dynamo.utils import counters
+import mla_inductor
+from mla_inductor.testing import make_decode_inputs, relative_error
+
+x = make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4, q_dtype=torch.float32)
+args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+
+def step(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+    return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+
+with mla_inductor.prefer_backends("triton"):
+    got = torch.compile(step, fullgraph=True)(*args)
+want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
+print("hits", counters["inductor"]["fxgraph_cache_hit"], "error", relative_error(got, want))
+"""
+
+
+def test_a_graph_loaded_from_the_cache_in_a_new_process_finds_its_direct_calls(tmp_path):
+    """Compiled code that calls a backend's op without the dispatcher, saved in Inductor's FX graph cache and
+    loaded by another process (which has compiled nothing): the op's direct name is there before the code
+    runs, and the result is the reference's."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TRITON_INTERPRET="1")
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_STEP], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (hits0, err0), (hits1, err1) = [run.stdout.split()[1::2] for run in runs]
+    assert (hits0, hits1) == ("0", "1") and float(err0) < 1e-5 and float(err1) < 1e-5, [r.stdout for r in runs]

@@ -77,22 +77,25 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     result for it (and a plan of zeros) without running ``impl``. ``host_plan``: the op plans on the
     host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside).
 
-    Registered with the low-level Library API (``_library``): no ``torch.library.custom_op`` layers per call.
+    Registered with the low-level Library API (``_library``): no ``torch.library.custom_op`` layers per call;
+    code compiled by Inductor calls the implementation without the dispatcher (``define_op(direct=True)``).
     """
     plan_arg = ", Tensor[] plan" if takes_plan else "=None"  # ops without a plan may omit sparse_indices
     schema = f"({DECODE_ARGS_SCHEMA}{plan_arg}) -> {_RETURNS[returns]}"
     fake = fake or _DEFAULT_FAKES[returns]
     arity = len(DECODE_ARG_NAMES) + takes_plan
 
-    def full(*args):
-        if len(args) < arity:  # the dispatcher leaves out a defaulted sparse_indices
-            args = (*args, *([None] * (arity - len(args))))
+    names = (*DECODE_ARG_NAMES, "plan")[:arity]
+
+    def full(*args, **kwargs):
+        if kwargs or len(args) < arity:  # the dispatcher leaves out a defaulted sparse_indices, Inductor names it
+            args = (*args, *(kwargs.get(n) for n in names[len(args):]))
         if attends_nothing(args[0], args[2], args[3], args[7]):
             return _empty_call_result(returns, fake, args)
         return impl(*args)
 
     full.__doc__ = impl.__doc__
-    return define_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else ()).default
+    return define_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else (), direct=True).default
 
 
 # ----------------------------------------------------------------------------- refusals
