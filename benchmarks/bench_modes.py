@@ -1,7 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--out DIR]
+        [--dispatcher-calls] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -53,6 +53,8 @@ a-c are checked against the fp32 reference (relative error printed); the peers' 
 timed, not checked. Peers are found by import; one not installed is reported and skipped.
 Each part prints its rows as it goes; ``--time-limit`` (seconds, for the whole run) stops starting new rows
 once spent, and the report marks what was not run. ``--out DIR`` writes bench_modes.md and bench_modes.json.
+``--dispatcher-calls``: compiled code calls our ops through PyTorch's dispatcher, as it did before they were called
+directly (``_library.define_op(direct=True)``): the same cases with and without it are an A/B of that change.
 """
 
 from __future__ import annotations
@@ -594,6 +596,18 @@ def _d_configs(text: str) -> list[tuple[str, int]]:
     return configs
 
 
+def calls_through_the_dispatcher() -> None:
+    """Keep the pass from arranging direct calls (``lowering/_compat.call_without_dispatcher``): the generated
+    code then calls each op through the dispatcher. Must run before the pass is loaded (the first compile)."""
+    import sys
+
+    if "mla_inductor.lowering" in sys.modules:
+        raise RuntimeError("--dispatcher-calls: the pass is loaded already; its ops are called directly")
+    import mla_inductor._library as library
+
+    library.watch_direct_ops = lambda callback: None
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
@@ -621,6 +635,9 @@ def main(argv=None) -> None:
                    help="part b: after each case's row, a row per backend named (comma-separated) with it preferred")
     p.add_argument("--b-rounds", type=int, default=1,
                    help="part b: time each case this many times in turn, keeping each cell's fastest round")
+    p.add_argument("--dispatcher-calls", action="store_true",
+                   help="compiled code calls our ops through the dispatcher, as before they were called directly "
+                        "(an A/B of _library.define_op(direct=True); eager calls are the same either way)")
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -631,6 +648,8 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"--d-modes: unknown {sorted(unknown)}; the modes are {', '.join(D_MODES)}")
     require_gpu("bench_modes.py")
+    if args.dispatcher_calls:
+        calls_through_the_dispatcher()
     deadline = Deadline(args.time_limit)
     env = environment(("flashinfer", "flash_mla", "vllm", "transformers"))
     progress(f"# {environment_line(env)}")
