@@ -147,7 +147,7 @@ def _merge_attn_states_fake(out_a, lse_a, out_b, lse_b):
 
 merge_attn_states = define_op("mla::merge_attn_states",
                               "(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)",
-                              _merge_attn_states, _merge_attn_states_fake)
+                              _merge_attn_states, _merge_attn_states_fake, direct=True)
 
 
 def _merge_attn_states_n(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,4 +169,4 @@ def _merge_attn_states_n_fake(outs, lses):
 
 
 merge_attn_states_n = define_op("mla::merge_attn_states_n", "(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
-                                _merge_attn_states_n, _merge_attn_states_n_fake)
+                                _merge_attn_states_n, _merge_attn_states_n_fake, direct=True)

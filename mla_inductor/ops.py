@@ -164,7 +164,7 @@ def _cache_append_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale):
 
 
 cache_append = define_op("mla::cache_append", "(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "
-                         "Tensor kv_scale) -> ()", _cache_append, _cache_append_fake)
+                         "Tensor kv_scale) -> ()", _cache_append, _cache_append_fake, direct=True)
 
 
 __all__ = ["cache_append", "paged_decode", "paged_decode_with_lse"]

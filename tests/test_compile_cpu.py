@@ -105,6 +105,7 @@ def test_dynamic_true_with_a_float_scale_traces_once():
 
 
 def test_cache_append_and_decode_compile_without_graph_breaks():
+    """The compiled append writes the real cache (called without the dispatcher: ``define_op(direct=True)``)."""
     cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=2, max_seq_len=16, kv_lora_rank=32,
                                                    rope_dim=16, page_size=4)
     cache.reserve([5, 2])
@@ -121,7 +122,12 @@ def test_cache_append_and_decode_compile_without_graph_breaks():
         new = (torch.randn(2, 32), torch.randn(2, 16), slots, torch.randn(2, 3, 32), torch.randn(2, 3, 16))
         eager_cache = cache.kv_caches[0].clone()
         want = step(eager_cache, *new[:3], *new[3:], cache.block_table, cache.seq_lens, cache.kv_scale)
-        got = compiled(cache.kv_caches[0], *new[:3], *new[3:], cache.block_table, cache.seq_lens, cache.kv_scale)
+        args = (cache.kv_caches[0], *new[:3], *new[3:], cache.block_table, cache.seq_lens, cache.kv_scale)
+        if counter.frame_count == 0:
+            got, code = run_and_get_code(compiled, *args)
+            assert "extern_kernels.mla_direct.mla.cache_append.default(" in code[0], code[0]
+        else:
+            got = compiled(*args)
         assert torch.equal(cache.kv_caches[0], eager_cache)  # the compiled append mutated the real cache
         assert relative_error(got, want) < 1e-5
     assert counter.frame_count == 1

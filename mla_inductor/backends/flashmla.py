@@ -739,7 +739,7 @@ QUANTIZED_QUERY_OP = define_op(
     "mla_flashmla::decode_quantized_query",
     "(Tensor q, Tensor q_descale, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale, "
     "Tensor kv_scale, Tensor? sparse_indices, Tensor[] plan, ScalarType out_dtype) -> (Tensor, Tensor)",
-    decode_quantized_query, _fake_quantized_query).default
+    decode_quantized_query, _fake_quantized_query, direct=True).default
 
 
 # ----------------------------------------------------------------------------- the backend
