@@ -1,5 +1,7 @@
 """The CPU compile path: the pass turns mla.paged_decode into Inductor-generated code."""
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -388,7 +390,6 @@ def test_a_graph_loaded_from_the_cache_in_a_new_process_finds_its_direct_calls(t
     """Compiled code that calls a backend's op without the dispatcher, saved in Inductor's FX graph cache and
     loaded by another process (which has compiled nothing): the op's direct name is there before the code
     runs, and the result is the reference's."""
-    import os
     import subprocess
     import sys
 
@@ -400,3 +401,39 @@ def test_a_graph_loaded_from_the_cache_in_a_new_process_finds_its_direct_calls(t
         assert run.returncode == 0, run.stderr[-3000:]
     (hits0, err0), (hits1, err1) = [run.stdout.split()[1::2] for run in runs]
     assert (hits0, hits1) == ("0", "1") and float(err0) < 1e-5 and float(err1) < 1e-5, [r.stdout for r in runs]
+
+
+_DISPATCHER_AB = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import bench_modes
+bench_modes.calls_through_the_dispatcher()
+from torch._inductor.utils import run_and_get_code
+import mla_inductor
+from mla_inductor.testing import make_decode_inputs
+
+x = make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4, q_dtype=torch.float32)
+def step(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+    return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+with mla_inductor.prefer_backends("triton"):
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), x.q_nope, x.q_pe, x.kv_cache, x.block_table,
+                               x.seq_lens, x.kv_scale)
+print("direct", "= extern_kernels.mla_direct." in code[0], "dispatcher", "= torch.ops.mla_triton." in code[0])
+"""
+
+
+def test_bench_modes_dispatcher_calls_compiles_calls_through_the_dispatcher():
+    """``bench_modes --dispatcher-calls`` (the A/B of direct calls) really gives the generated code dispatcher calls,
+    and refuses once the pass is loaded (this process: its ops would be called directly anyway)."""
+    import subprocess
+    import sys
+
+    from benchmark_modules import BENCHMARKS, load_benchmark
+
+    run = subprocess.run([sys.executable, "-c", _DISPATCHER_AB, str(BENCHMARKS)], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["direct", "False", "dispatcher", "True"], run.stdout
+    with pytest.raises(RuntimeError, match="pass is loaded already"):
+        load_benchmark("bench_modes").calls_through_the_dispatcher()
