@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_i
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled", "current_post_grad_pass", "decide",
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled", "direct_calls_supported", "current_post_grad_pass", "decide",
            "keep_in_graph", "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize",
            "static_size"]
 
@@ -117,6 +117,26 @@ class _Namespace:
 DIRECT_ROOT = "mla_direct"
 
 
+def _direct_call_parts() -> Optional[tuple]:
+    """What ``call_without_dispatcher`` takes from Inductor, or None where this torch lacks some of it."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor import lowering as inductor_lowering
+        from torch._inductor.select_algorithm import extern_kernels
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return None
+    needed = (getattr(ir, "FallbackKernel", None), getattr(inductor_lowering, "make_fallback", None),
+              getattr(inductor_lowering, "lowerings", None), getattr(inductor_lowering, "tag_to_layout_constraint", None),
+              getattr(inductor_lowering, "get_layout_constraint_tag", None))
+    return None if any(n is None for n in needed) else (ir, inductor_lowering, extern_kernels, V)
+
+
+def direct_calls_supported() -> bool:
+    """Whether this torch's Inductor lets compiled code call an op's implementation (``call_without_dispatcher``)."""
+    return _direct_call_parts() is not None
+
+
 def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Optional[str]:
     """Make Inductor's Python wrapper code call ``impl`` where it would call ``op`` through the dispatcher (its
     fallback kernel), and return the name the code calls it by; None where this torch's Inductor does not
@@ -128,17 +148,13 @@ def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Option
     the op gets Inductor's own fallback lowering (with the layout constraint Inductor gives a custom op by its
     tags), wrapped to rename the fallback kernels it makes. Not for the C++ / FX wrappers, which call ops
     their own way. Torch 2.11 to 2.14."""
-    try:
-        from torch._inductor import ir
-        from torch._inductor import lowering as inductor_lowering
-        from torch._inductor.select_algorithm import extern_kernels
-        from torch._inductor.virtualized import V
-
-        constraint = inductor_lowering.tag_to_layout_constraint(
-            inductor_lowering.get_layout_constraint_tag(op, with_default=True))
-        fallback_kernel = ir.FallbackKernel
-    except (ImportError, AttributeError):
+    parts = _direct_call_parts()
+    if parts is None:
         return None
+    ir, inductor_lowering, extern_kernels, V = parts
+    constraint = inductor_lowering.tag_to_layout_constraint(
+        inductor_lowering.get_layout_constraint_tag(op, with_default=True))
+    fallback_kernel = ir.FallbackKernel
     namespace, name = op._schema.name.split("::")
     node = extern_kernels
     for part in (DIRECT_ROOT, namespace, name):

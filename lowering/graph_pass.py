@@ -28,7 +28,7 @@ import torch
 
 import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
-from mla_inductor._library import watch_direct_ops
+from mla_inductor._library import direct_ops_watched, watch_direct_ops
 from mla_inductor.autotune import autotune_enabled, fastest_backend
 from mla_inductor.backends import (
     availability,
@@ -68,6 +68,7 @@ from mla_inductor.lowering._compat import (
     as_pass_list,
     call_without_dispatcher,
     cudagraphs_enabled,
+    direct_calls_supported,
     current_post_grad_pass,
     decide,
     pattern_pass,
@@ -424,7 +425,9 @@ def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
              f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}",
-             f"environment={environment_settings()}"]
+             f"environment={environment_settings()}",
+             # Whether the generated code calls our ops directly (a graph cached with direct calls needs them).
+             f"direct_calls={direct_ops_watched() and direct_calls_supported()}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]
     # Which build a backend loaded its kernels from decides the ops written (FlashMLA: a plan op where the
     # provider schedules on the device, else decode_and_plan) and the plan's shapes; library versions alone

@@ -40,6 +40,12 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     return packet
 
 
+def direct_ops_watched() -> bool:
+    """Whether something (the Inductor pass) arranges direct calls for the ``direct=True`` ops: part of what
+    decides the code Inductor generates, so of the pass's cache key."""
+    return bool(_DIRECT_WATCHERS)
+
+
 def watch_direct_ops(callback: Callable) -> None:
     """Call ``callback(op, impl)`` for every op defined with ``direct=True``: those defined so far, at once,
     and each later one as it is defined."""

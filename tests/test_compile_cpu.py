@@ -277,6 +277,13 @@ def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeyp
     first = ours.uuid()
     fake.__version__ = "0.0.2"
     assert first != base and ours.uuid() not in (base, first)
+    monkeypatch.delitem(sys.modules, "vllm")
+    # Code cached with direct calls needs them arranged (bench_modes --dispatcher-calls keeps them off).
+    from mla_inductor import _library
+
+    assert ours.uuid() == base
+    monkeypatch.setattr(_library, "_DIRECT_WATCHERS", [])
+    assert ours.uuid() != base
 
 
 @pytest.mark.parametrize("plans_in_first_call", [False, True], ids=["plan_op", "decode_and_plan"])
