@@ -1,7 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--dispatcher-calls] [--out DIR]
+        [--a-query-views] [--dispatcher-calls] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -20,7 +20,9 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    fp8 wrappers) and "e4m3 q" (ours under ``mla_inductor.allow_fp8_query()``; every peer, FlashMLA's FP8 kernel
    included, whose e4m3 query costs about 10x the error: ``peers.QUERY_IN_E4M3``). ``--a-rounds N`` times each
    case N times in turn (peers and our three modes; every other round ours first), each cell keeping its
-   fastest round (as ``--b-rounds``).
+   fastest round (as ``--b-rounds``). Our step slices each call's q_nope / q_pe from its [T, H, 576] query, two
+   view ops per call that the peers' steps make once, outside (``peers.split_query``); ``--a-query-views`` hands
+   ours the views made once too (``report.query_views``), as a model hands the op its q_nope and q_pe.
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
    (``--all``: H=16 too; fp8_e4m3 cases in both query precisions, as in a). Target <= 1.3. Beside each mode,
@@ -72,6 +74,7 @@ import torch
 from report import (
     add_out_argument,
     decode_calls,
+    query_views,
     environment,
     environment_line,
     lowered_afresh,
@@ -161,19 +164,23 @@ def decisions_during(fn: Callable[[], object], lower_afresh: bool = True) -> tup
 class OurStep:
     """Our op making ``len(qs)`` calls per step in one mode: "eager", "compiled" or "cudagraphs"."""
 
-    def __init__(self, case: Case, qs: list, caches: list, mode: str, step: Optional[Callable] = None):
+    def __init__(self, case: Case, qs: list, caches: list, mode: str, step: Optional[Callable] = None,
+                 views: bool = False):
         self.case, self.mode = case, mode
         c = case.c
+        if views:  # each call's (q_nope, q_pe) made before the step, as the peers' (--a-query-views)
+            qs = query_views(qs)
         self.args = (qs, caches, c["block_table"], c["lens"], case.kv_scale)
-        step = step or decode_calls(c["scale"])
+        step = step or decode_calls(c["scale"], views=views)
         if mode == "eager":
+            q_nope, q_pe = qs[0] if views else (qs[0][..., :D_CKV], qs[0][..., D_CKV:])
             self.fn, self.backends = step, [mla_inductor.backend_for_call(
-                qs[0][..., :D_CKV], qs[0][..., D_CKV:], case.kv_cache, c["block_table"], c["lens"], c["scale"],
-                case.kv_scale).backend]
+                q_nope, q_pe, case.kv_cache, c["block_table"], c["lens"], c["scale"], case.kv_scale).backend]
         else:
             torch.compiler.reset()
             if mode == "cudagraphs":
-                mark_static([*qs, *caches, c["block_table"], c["lens"], case.kv_scale])
+                queries = [t for pair in qs for t in pair] if views else qs
+                mark_static([*queries, *caches, c["block_table"], c["lens"], case.kv_scale])
             self.fn = torch.compile(step, fullgraph=True, mode="reduce-overhead" if mode == "cudagraphs" else None)
             _, self.backends = decisions_during(self.run)  # compiles
         for _ in range(2):  # CUDA graphs: warm-up, record
@@ -206,7 +213,8 @@ ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head count
 
 
 def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
-            profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1, a_rounds: int = 1) -> None:
+            profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1, a_rounds: int = 1,
+            a_views: bool = False) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -218,7 +226,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
         try:
             case = make_case(B, H, fmt)
             if "a" in parts:
-                back_to_back(case, results, deadline, rounds=a_rounds)
+                back_to_back(case, results, deadline, rounds=a_rounds, views=a_views)
             if "b" in parts and H in one_call_heads:
                 if deadline.spent():
                     results.skip("b", label, "time limit")
@@ -231,10 +239,11 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
             _free()
 
 
-def _time_ours(case: Case, qs, caches, mode: str, row: dict) -> None:
-    """Time our step in one mode and write its µs, backend and error into ``row`` (``with_peer``: the ratio)."""
+def _time_ours(case: Case, qs, caches, mode: str, row: dict, views: bool = False) -> None:
+    """Time our step in one mode and write its µs, backend and error into ``row`` (``with_peer``: the ratio).
+    ``views``: the step takes each call's (q_nope, q_pe) made before it (``OurStep``)."""
     try:
-        ours = OurStep(case, qs, caches, mode)
+        ours = OurStep(case, qs, caches, mode, views=views)
         us = ours.us_per_call()
         row[f"{mode}_us"] = us
         row[f"{mode}_backend"] = ",".join(ours.backends) or "cached graph"
@@ -246,9 +255,10 @@ def _time_ours(case: Case, qs, caches, mode: str, row: dict) -> None:
     _free()
 
 
-def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int = 1) -> None:
+def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int = 1, views: bool = False) -> None:
     """Part a's rows of one case. ``rounds``: peers and rows timed this many times in turn, each cell keeping
-    its fastest round (as part b's ``rounds``)."""
+    its fastest round (as part b's ``rounds``). ``views``: our step takes each call's (q_nope, q_pe) made before
+    it, as the peers take theirs (``--a-query-views``)."""
     qs, caches, layers = peer_kernels.back_to_back_inputs(case, CALLS)
     steps = peer_steps(case, CALLS, layers, results, "a")
 
@@ -271,7 +281,7 @@ def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int =
                     if deadline.spent():
                         row[f"{mode}_us"] = "time limit"
                         continue
-                    _time_ours(case, qs, caches, mode, row)
+                    _time_ours(case, qs, caches, mode, row, views)
         peer_times = time_peers() if peer_times is None else peer_times
         for suffix, e4m3_query in query_classes(case):
             row = with_peer(timed[suffix], peers_of_class(peer_times, e4m3_query), A_MODES)
@@ -635,6 +645,9 @@ def main(argv=None) -> None:
                    help="part b: after each case's row, a row per backend named (comma-separated) with it preferred")
     p.add_argument("--b-rounds", type=int, default=1,
                    help="part b: time each case this many times in turn, keeping each cell's fastest round")
+    p.add_argument("--a-query-views", action="store_true",
+                   help="part a: our step takes each call's (q_nope, q_pe) views made before it, as the peers' "
+                        "direct steps take theirs, instead of slicing each call's [T, H, 576] query in the step")
     p.add_argument("--dispatcher-calls", action="store_true",
                    help="compiled code calls our ops through the dispatcher, as before they were called directly "
                         "(an A/B of _library.define_op(direct=True); eager calls are the same either way)")
@@ -659,7 +672,8 @@ def main(argv=None) -> None:
         progress("# parts a/b: 61 calls back to back; one-call graphs")
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
                 (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile,
-                b_backends=args.b_backends, b_rounds=args.b_rounds, a_rounds=args.a_rounds)
+                b_backends=args.b_backends, b_rounds=args.b_rounds, a_rounds=args.a_rounds,
+                a_views=args.a_query_views)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

@@ -118,15 +118,24 @@ def lowered_afresh():
         yield
 
 
-def decode_calls(scale: float):
+def query_views(qs: list) -> list:
+    """``(q_nope, q_pe)`` views of each [T, H, 576] query, made once: a step over them (``decode_calls(...,
+    views=True)``) takes its calls' halves as a model hands them to the op, and as the peers' direct steps take
+    theirs (``peers.split_query``, made once outside their loops), instead of slicing them in every call."""
+    return [(q[..., :D_CKV], q[..., D_CKV:]) for q in qs]
+
+
+def decode_calls(scale: float, views: bool = False):
     """Our op's step of back-to-back decode calls sharing one page table, call i on query i and cache
     i % len(caches) (``peers.back_to_back_inputs``, the inputs the peers' ``direct_step`` reads); q_nope / q_pe
-    are slices of one [T, H, 576] query (the layout the kernels read)."""
+    are slices of one [T, H, 576] query (the layout the kernels read), made in each call, or with ``views`` the
+    step's queries are ``query_views`` pairs made before it."""
 
     def step(qs, caches, block_table, seq_lens, kv_scale, sparse_indices=None, q_scale=None):
-        return [torch.ops.mla.paged_decode(q[..., :D_CKV], q[..., D_CKV:], caches[i % len(caches)], block_table,
-                                           seq_lens, scale, kv_scale, sparse_indices, q_scale)
-                for i, q in enumerate(qs)]
+        halves = qs if views else [(q[..., :D_CKV], q[..., D_CKV:]) for q in qs]
+        return [torch.ops.mla.paged_decode(q_nope, q_pe, caches[i % len(caches)], block_table, seq_lens, scale,
+                                           kv_scale, sparse_indices, q_scale)
+                for i, (q_nope, q_pe) in enumerate(halves)]
 
     return step
 

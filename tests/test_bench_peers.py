@@ -264,3 +264,23 @@ def test_bench_modes_holds_an_fp8_case_against_peers_of_its_query_precision(monk
     assert [(r["case"], r["best_peer"]) for r in results.rows["b"]] == [
         ("B=1 H=128 fp8_e4m3, bf16 q", bf16_peer), ("B=1 H=128 fp8_e4m3, e4m3 q (allow_fp8_query)", e4m3_peer)]
     assert opted_in == [False] * 2 + [True] * 2
+
+
+def test_our_step_on_query_views_makes_the_same_calls():
+    """``report.decode_calls(views=True)`` over ``query_views`` (bench_modes --a-query-views: each call's
+    q_nope / q_pe made before the step, as the peers' are) computes what the step slicing each query does,
+    eager and compiled."""
+    import mla_inductor
+    from mla_inductor.testing import make_decode_inputs
+
+    report = load_benchmark("report")
+    x = make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=512, rope_dim=64, page_size=4,
+                           q_dtype=torch.float32)
+    qs = [torch.cat([x.q_nope, x.q_pe], -1) * s for s in (1.0, 0.5, 2.0)]
+    args = ([x.kv_cache], x.block_table, x.seq_lens, x.kv_scale)
+    sliced = report.decode_calls(0.1)(qs, *args)
+    for step in (report.decode_calls(0.1, views=True), torch.compile(report.decode_calls(0.1, views=True))):
+        with mla_inductor.prefer_backends("reference"):
+            got = step(report.query_views(qs), *args)
+        assert len(got) == 3 and all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, sliced))
+    assert not torch.allclose(sliced[0], sliced[1])  # the calls differ: each call got its own query
