@@ -3,8 +3,8 @@
 ``decisions()`` lists every distinct backend choice; each is logged once on the ``mla_inductor.lowering``
 logger. A graph Inductor serves from its FX graph (or AOTAutograd) cache was never seen by the pass in
 this process, so the pass also writes its choices into the graph: one call of ``mla::compiled_with(key,
-record)`` at the graph's start, whose ``record`` (JSON: the decisions of the graph's calls and the user
-preference they were made under) is a constant of the generated code and so cached with it.
+record)`` at the graph's start, whose ``record`` (JSON in base64: the decisions of the graph's calls and the
+user preference they were made under) is a constant of the generated code and so cached with it.
 
 At run time that op costs a dict lookup and one tuple compare. The first run of a record this process has
 not made adds its decisions to ``decisions()`` and logs them; a run under another preference than the one
@@ -14,6 +14,7 @@ on it) warns once per graph that the graph keeps the backends it chose.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import hashlib
@@ -121,8 +122,11 @@ def write_record(graph: torch.fx.Graph, made: dict[Decision, None]) -> None:
     if not made:
         return
     preference = user_preference()
-    record = json.dumps({"preference": preference, "decisions": [_as_json(d) for d in made]}, sort_keys=True)
-    key = hashlib.sha256(record.encode()).hexdigest()[:16]
+    text = json.dumps({"preference": preference, "decisions": [_as_json(d) for d in made]}, sort_keys=True)
+    # Base64: the record is a string constant of the generated code, which the C++ wrapper (cpp_wrapper,
+    # AOTInductor) writes into a C++ string literal without escaping JSON's quotes.
+    record = base64.urlsafe_b64encode(text.encode()).decode("ascii")
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     _records[key] = _Record(preference, tuple(dict.fromkeys(d.backend for d in made)))
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
@@ -158,7 +162,7 @@ def _compiled_with(anchor: Optional[torch.Tensor], key: str, record: str) -> Non
 def _load(record: str) -> _Record:
     """A record this process did not write: a graph from Inductor's cache. Its decisions join
     ``decisions()`` and are logged."""
-    data = json.loads(record)
+    data = json.loads(base64.urlsafe_b64decode(record))
     made = [_from_json(d) for d in data["decisions"]]
     for decision in made:
         _remember(decision, " (a compiled graph from Inductor's cache)")

@@ -444,3 +444,24 @@ def test_bench_modes_dispatcher_calls_compiles_calls_through_the_dispatcher():
     assert run.stdout.split() == ["direct", "False", "dispatcher", "True"], run.stdout
     with pytest.raises(RuntimeError, match="pass is loaded already"):
         load_benchmark("bench_modes").calls_through_the_dispatcher()
+
+
+def test_cpp_wrapper_compiles_our_ops_and_the_record():
+    """Inductor's C++ wrapper (``cpp_wrapper``, AOTInductor's codegen) compiles a graph of our ops: the pass's
+    record is written as a C++ string literal (base64, no quotes to escape), and the backend's op goes through
+    the dispatcher there (direct calls are for the Python wrapper)."""
+    x = make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4,
+                           q_dtype=torch.float32)
+    args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+        return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends("triton"), torch._inductor.config.patch(cpp_wrapper=True), fresh_cache():
+        got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
+    code = "\n".join(code)
+    assert '"mla_triton::decode_keeping_workspace"' in code and "mla_direct" not in code, code[-3000:]
+    want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
+    assert relative_error(got, want) < 1e-5
+    assert "triton" in {d.backend for d in mla_inductor.lowering.decisions()}
