@@ -128,8 +128,9 @@ def write_record(graph: torch.fx.Graph, made: dict[Decision, None]) -> None:
     record = base64.urlsafe_b64encode(text.encode()).decode("ascii")
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     _records[key] = _Record(preference, tuple(dict.fromkeys(d.backend for d in made)))
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first):
+    # After the last input: with freezing, constants (get_attr) may come before some placeholders.
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1:]
+    with graph.inserting_after(last_input[0]) if last_input else graph.inserting_before(next(iter(graph.nodes))):
         node = graph.call_function(COMPILED_WITH, (_anchor(graph, next(iter(made))), key, record))
     node.meta["val"] = None
 

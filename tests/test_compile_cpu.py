@@ -465,3 +465,33 @@ def test_cpp_wrapper_compiles_our_ops_and_the_record():
     want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
     assert relative_error(got, want) < 1e-5
     assert "triton" in {d.backend for d in mla_inductor.lowering.decisions()}
+
+
+def test_freezing_compiles_a_module_with_its_cache_as_buffers():
+    """``torch._inductor.config.freezing`` (inference compiles of modules) puts constants before some graph
+    inputs; the pass's record still goes after every input it may read, and a cache written in place between
+    calls is read by the next one (buffers are not folded in)."""
+    x = make_decode_inputs(seq_lens=[5, 9], **SMALL)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name in ("kv_cache", "block_table", "seq_lens", "kv_scale"):
+                self.register_buffer(name, getattr(x, name).clone())
+
+        def forward(self, q_nope, q_pe):
+            return torch.ops.mla.paged_decode(q_nope, q_pe, self.kv_cache, self.block_table, self.seq_lens, 0.125,
+                                              self.kv_scale)
+
+    layer = Layer().eval()
+
+    def reference():
+        return mla_inductor.paged_decode_reference(x.q_nope, x.q_pe, layer.kv_cache, layer.block_table,
+                                                   layer.seq_lens, 0.125, layer.kv_scale)[0]
+
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True), fresh_cache():
+        step = torch.compile(layer, fullgraph=True)
+        assert relative_error(step(x.q_nope, x.q_pe), reference()) < 1e-5
+        layer.kv_cache.mul_(2.0)  # a decode step writes the cache in place
+        assert relative_error(step(x.q_nope, x.q_pe), reference()) < 1e-5
