@@ -423,8 +423,21 @@ def backend_for_eager(problem: DecodeProblem, device: torch.device, captured: bo
 APPEND_ORDER: tuple[str, ...] = ("triton", "reference")
 
 
+_APPEND_WRITERS: dict = {}  # (device type, index, registry generation) -> the writer chosen for it
+
+
 def backend_for_append(device: torch.device) -> Backend:
-    """The backend whose ``append`` writes ``mla.cache_append`` calls on this device."""
+    """The backend whose ``append`` writes ``mla.cache_append`` calls on this device: chosen once per device and
+    set of registered backends. Every decode step appends once per layer, eagerly and from compiled code, and a
+    backend's availability check may cost tens of µs (Triton's looks for the package on disk)."""
+    key = (device.type, device.index, backends.registry_generation())
+    writer = _APPEND_WRITERS.get(key)
+    if writer is None:
+        writer = _APPEND_WRITERS[key] = _choose_append_writer(device)
+    return writer
+
+
+def _choose_append_writer(device: torch.device) -> Backend:
     capability = backends.device_capability(device)
     reasons = []
     for name in APPEND_ORDER:

@@ -603,3 +603,32 @@ def test_a_memo_starts_over_at_its_bound():
     assert memo.get(("sig", 1)) == 1 and len(memo) == 3
     memo.put(("sig", 3), 3)
     assert dict(memo) == {("sig", 3): 3}
+
+
+def test_the_cache_writer_is_chosen_once_per_device_and_registry(monkeypatch):
+    """``mla.cache_append`` runs once per layer and step, eagerly and from compiled code: its writer is chosen
+    once per device (availability checks can cost tens of µs: Triton's looks for the package on disk), and
+    chosen again when a backend is registered; the appends still write the cache."""
+    from mla_inductor import selection
+    from mla_inductor.backends import register_backend, unregister_backend
+
+    choices = []
+    choose = selection._choose_append_writer
+    monkeypatch.setattr(selection, "_choose_append_writer", lambda device: choices.append(device) or choose(device))
+    monkeypatch.setattr(selection, "_APPEND_WRITERS", {})
+    cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=2, max_seq_len=16, kv_lora_rank=32,
+                                                   rope_dim=16, page_size=4)
+    cache.reserve([3, 5])  # a prompt's tokens (not written here)
+    for _ in range(3):
+        slots = cache.reserve(1)
+        kv_c, k_pe = torch.randn(2, 32), torch.randn(2, 16)
+        torch.ops.mla.cache_append(cache.kv_caches[0], kv_c, k_pe, slots, cache.kv_scale)
+        rows = cache.kv_caches[0].reshape(-1, 48)[slots.long()]
+        assert torch.equal(rows, torch.cat([kv_c, k_pe], -1).to(rows.dtype))
+    assert len(choices) == 1
+    register_backend("another_test_backend", mla_inductor.backends.get_backend("reference"))
+    try:
+        torch.ops.mla.cache_append(cache.kv_caches[0], kv_c, k_pe, slots, cache.kv_scale)
+        assert len(choices) == 2
+    finally:
+        unregister_backend("another_test_backend")

@@ -7,6 +7,7 @@ CUDA (``kernels/cache_append.py``: a program per token, no host sync, so a decod
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Optional
@@ -23,6 +24,12 @@ _FP8_FORMATS = ("fp8_e4m3", "fp8_ds_mla")
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_missing() -> Optional[str]:
+    """Why triton cannot be used, asked once per process (``find_spec`` searches the import path: ~60 µs)."""
+    return "triton is not installed" if importlib.util.find_spec("triton") is None else None
 
 
 # The prepared launches (kernels/decode.py ``DecodeLaunch``) per call signature: checks, launch configuration and
@@ -68,9 +75,7 @@ class TritonBackend(Backend):
     environment = ("TRITON_INTERPRET",)  # decides whether CPU tensors are supported
 
     def unavailable_reason(self) -> Optional[str]:
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed"
-        return None
+        return _triton_missing()
 
     def supports(self, problem, capability) -> Optional[str]:
         if problem.device_type == "cpu":
