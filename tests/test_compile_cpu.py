@@ -318,7 +318,7 @@ DIRECT_CALLS: list[int] = []
 
 
 def _direct_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
-    DIRECT_CALLS.append(1)
+    DIRECT_CALLS.append(type(softmax_scale))
     out, lse = mla_inductor.paged_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
                                                    kv_scale, sparse_indices)
     return out.contiguous(), lse.contiguous()
@@ -363,13 +363,23 @@ def test_compiled_code_calls_backend_ops_without_the_dispatcher():
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 again = step(*args)
         recorded = {event.key for event in profile.key_averages()}
-        assert len(DIRECT_CALLS) == 2 and not any("mla_direct_test" in key for key in recorded), recorded
+        assert DIRECT_CALLS == [float, float] and not any("mla_direct_test" in key for key in recorded), recorded
         assert "mla::paged_decode" not in recorded and "aten::empty_strided" in recorded, recorded  # it records
         want = [mla_inductor.paged_decode_reference(*args[:5], 0.125, *args[5:])[i] for i in (0, 0, 1)]
         want[0] = want[0] * 2
         for result in (got, again):
             for g, w in zip(result, want):
                 assert relative_error(g, w) < 1e-5
+        # A scale given as a bool reaches the op as the float its schema names (the dispatcher's
+        # conversion, which a direct call skips, is made when the call is traced).
+        def bool_scale(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+            return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, True, kv_scale)
+
+        del DIRECT_CALLS[:]
+        with mla_inductor.prefer_backends("direct_test"), fresh_cache():
+            got = torch.compile(bool_scale, fullgraph=True)(*args[:6])
+        assert DIRECT_CALLS == [float]
+        assert relative_error(got, mla_inductor.paged_decode_reference(*args[:5], 1.0, args[5])[0]) < 1e-5
     finally:
         backends.unregister_backend("direct_test")
 
