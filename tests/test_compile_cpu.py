@@ -505,3 +505,22 @@ def test_freezing_compiles_a_module_with_its_cache_as_buffers():
         assert relative_error(step(x.q_nope, x.q_pe), reference()) < 1e-5
         layer.kv_cache.mul_(2.0)  # a decode step writes the cache in place
         assert relative_error(step(x.q_nope, x.q_pe), reference()) < 1e-5
+
+
+def test_aot_inductor_packages_and_loads_a_model_of_our_op(tmp_path):
+    """``torch.export`` then AOTInductor (``aoti_compile_and_package``, C++ wrapper, a package file) of a module
+    calling our op, loaded back and run: the reference's result."""
+    x = make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4,
+                           q_dtype=torch.float32)
+    args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+
+    class Step(torch.nn.Module):
+        def forward(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
+            return torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, 0.125, kv_scale)
+
+    exported = torch.export.export(Step(), args)
+    with mla_inductor.prefer_backends("triton"), fresh_cache():
+        path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "step.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
+    assert relative_error(loaded(*args), want) < 1e-5
