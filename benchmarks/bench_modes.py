@@ -281,7 +281,7 @@ def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int =
                     if deadline.spent():
                         row[f"{mode}_us"] = "time limit"
                         continue
-                    _time_ours(case, qs, caches, mode, row, views)
+                    _time_ours(case, qs, caches, mode, row, views=views)
         peer_times = time_peers() if peer_times is None else peer_times
         for suffix, e4m3_query in query_classes(case):
             row = with_peer(timed[suffix], peers_of_class(peer_times, e4m3_query), A_MODES)

@@ -200,7 +200,7 @@ def test_bench_modes_part_b_rounds_keep_each_cells_fastest_and_the_first_rounds_
     rounds_seen = []
     events = []
 
-    def time_ours(case, qs, caches, mode, row):
+    def time_ours(case, qs, caches, mode, row, views=False):
         events.append("ours")
         row[f"{mode}_us"] = next(ours)
         row[f"{mode}_backend"] = "triton" if not rounds_seen else "cached graph"
@@ -235,7 +235,7 @@ def test_bench_modes_holds_an_fp8_case_against_peers_of_its_query_precision(monk
     steps = {name: type("S", (), {"run": name, "first": None})() for name in peer_ms}
     opted_in = []
 
-    def time_ours(case, qs, caches, mode, row):
+    def time_ours(case, qs, caches, mode, row, views=False):
         opted_in.append(fp8_query_allowed())
         row[f"{mode}_us"] = 1.0
 
