@@ -13,9 +13,9 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_i
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled", "direct_calls_supported", "current_post_grad_pass", "decide",
-           "keep_in_graph", "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize",
-           "static_size"]
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled",
+           "current_post_grad_pass", "decide", "direct_calls_supported", "keep_in_graph", "pattern_pass",
+           "set_post_grad_pass", "size_hint", "size_key", "specialize", "static_size"]
 
 
 def current_post_grad_pass() -> Any:
@@ -126,9 +126,8 @@ def _direct_call_parts() -> Optional[tuple]:
         from torch._inductor.virtualized import V
     except ImportError:
         return None
-    needed = (getattr(ir, "FallbackKernel", None), getattr(inductor_lowering, "make_fallback", None),
-              getattr(inductor_lowering, "lowerings", None), getattr(inductor_lowering, "tag_to_layout_constraint", None),
-              getattr(inductor_lowering, "get_layout_constraint_tag", None))
+    needed = [getattr(ir, "FallbackKernel", None)] + [getattr(inductor_lowering, name, None) for name in (
+        "make_fallback", "lowerings", "tag_to_layout_constraint", "get_layout_constraint_tag")]
     return None if any(n is None for n in needed) else (ir, inductor_lowering, extern_kernels, V)
 
 

@@ -442,7 +442,8 @@ def _define_wrapper_ops(fi_backend: str):
                     f"[row_counts int32 [T]] (keys each query row sees).")
     run.__doc__ = (f"mla.paged_decode_with_lse on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
                    f"(out [T, H, L], lse [T, H] fp32, natural log).")
-    run_out.__doc__ = f"mla.paged_decode on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: out [T, H, L]."
+    run_out.__doc__ = (f"mla.paged_decode on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
+                       f"out [T, H, L].")
     return (decode_op(f"mla_flashinfer::plan_{fi_backend}", plan, returns="tensors", takes_plan=False,
                       fake=_wrapper_plan_fake, host_plan=True),
             decode_op(f"mla_flashinfer::run_{fi_backend}", run),
