@@ -314,7 +314,7 @@ def test_optional_plan_is_dropped_when_one_call_would_use_it(planned_backend, pl
 
 # ----------------------------------------------------------------------------- calls without the dispatcher
 
-DIRECT_CALLS: list[int] = []
+DIRECT_CALLS: list[type] = []  # the type of softmax_scale of each call of _direct_run
 
 
 def _direct_run(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
