@@ -24,9 +24,10 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
 
     ``direct``: code compiled by Inductor may call ``impl`` itself, without the dispatcher (the pass arranges it,
     ``watch_direct_ops``): the dispatcher's part of a call (its argument parsing, the autograd fallback, handing
-    the arguments back to Python) costs 3-7 µs, as much as a short decode kernel's host work. Only for ops whose
-    implementation takes the schema's arguments positionally and needs nothing the dispatcher adds (they have
-    no autograd, and run under the device guard the compiled code sets)."""
+    the arguments back to Python) was more than half of a no-op op's host cost per compiled call (7.7 -> 3.2
+    µs on CPU, ``benchmarks/bench_host_overhead.py --stub``), as much as a short decode kernel's host work. Only
+    for ops whose implementation takes the schema's arguments (positionally, or a defaulted one by name) and needs
+    nothing the dispatcher adds (they have no autograd, and run under the device guard the compiled code sets)."""
     namespace, name = qualname.split("::")
     lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
     lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))

@@ -28,7 +28,8 @@ def _interpreting() -> bool:
 
 @functools.cache
 def _triton_missing() -> Optional[str]:
-    """Why triton cannot be used, asked once per process (``find_spec`` searches the import path: ~60 µs)."""
+    """Why triton cannot be used, asked once per process (``find_spec`` searches the import path on every
+    call: tens of µs, where the cache writer asked it once per layer and step)."""
     return "triton is not installed" if importlib.util.find_spec("triton") is None else None
 
 
