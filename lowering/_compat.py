@@ -13,6 +13,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_i
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
+from mla_inductor._library import StaticTensor, call_site_facts, call_site_name
+
 __all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled",
            "current_post_grad_pass", "decide", "direct_calls_supported", "keep_in_graph", "pattern_pass",
            "set_post_grad_pass", "size_hint", "size_key", "specialize", "static_size"]
@@ -111,7 +113,21 @@ def keep_in_graph(op) -> None:
 # ----------------------------------------------------------------------------- calls without the dispatcher
 
 class _Namespace:
-    """``extern_kernels.mla_direct.<namespace>.<op>.<overload>``: the generated code names the op it calls."""
+    """``extern_kernels.mla_direct.<namespace>.<op>.<overload>``: the generated code names the op it calls.
+
+    At the op's level, ``site_<overload>_<code>`` is a call site's own callable (``_library.define_op``'s
+    ``call_site``), made where it is first named: code Inductor loads from its cache in a new process names
+    sites this process never lowered; ``code`` holds their facts (``_library.call_site_name``)."""
+
+    def __getattr__(self, name: str):
+        sites = self.__dict__.get("_call_sites")
+        if not name.startswith("site_") or not sites:
+            raise AttributeError(name)
+        overload, _, code = name[len("site_"):].rpartition("_")
+        impl, call_site = sites[overload]
+        site = call_site(call_site_facts(code)) or impl
+        setattr(self, name, site)  # later lookups find it in the instance's __dict__
+        return site
 
 
 DIRECT_ROOT = "mla_direct"
@@ -136,7 +152,8 @@ def direct_calls_supported() -> bool:
     return _direct_call_parts() is not None
 
 
-def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Optional[str]:
+def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable,
+                            call_site: Optional[Callable] = None) -> Optional[str]:
     """Make Inductor's Python wrapper code call ``impl`` where it would call ``op`` through the dispatcher (its
     fallback kernel), and return the name the code calls it by; None where this torch's Inductor does not
     offer what it takes (the op then keeps the dispatcher).
@@ -146,7 +163,11 @@ def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Option
     ``ExternKernelChoice``). ``impl`` is put there as ``extern_kernels.mla_direct.<ns>.<op>.<overload>`` and
     the op gets Inductor's own fallback lowering (with the layout constraint Inductor gives a custom op by its
     tags), wrapped to rename the fallback kernels it makes. Not for the C++ / FX wrappers, which call ops
-    their own way. Torch 2.11 to 2.14."""
+    their own way. Torch 2.11 to 2.14.
+
+    With ``call_site`` (``_library.define_op``'s), a call whose arguments' sizes are all static calls
+    ``extern_kernels.mla_direct.<ns>.<op>.site_<overload>_<code>`` instead: ``call_site(facts)``, made once per
+    site (``_Namespace``), where that returns a callable."""
     parts = _direct_call_parts()
     if parts is None:
         return None
@@ -162,7 +183,10 @@ def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Option
         node = getattr(node, part)
     overload = op._overloadname
     setattr(node, overload, impl)
-    kernel_name = f"extern_kernels.{DIRECT_ROOT}.{namespace}.{name}.{overload}"
+    if call_site is not None:
+        node.__dict__.setdefault("_call_sites", {})[overload] = (impl, call_site)
+    op_path = f"extern_kernels.{DIRECT_ROOT}.{namespace}.{name}"
+    kernel_name = f"{op_path}.{overload}"
     lowerings = inductor_lowering.lowerings
     if getattr(lowerings.get(op), "_mla_direct_call", None) == kernel_name:
         return kernel_name
@@ -176,12 +200,71 @@ def call_without_dispatcher(op: torch._ops.OpOverload, impl: Callable) -> Option
         first = len(made)
         result = fallback(*args, **kwargs)
         if not graph.cpp_wrapper and not getattr(graph, "fx_wrapper", False):
+            site = _site_name(node, overload, call_site, op, args, kwargs) if call_site is not None else None
             for kernel in made[first:]:
                 if isinstance(kernel, fallback_kernel) and kernel.op_overload is op:
-                    kernel.python_kernel_name = kernel_name
+                    kernel.python_kernel_name = f"{op_path}.{site}" if site else kernel_name
         return result
 
     functools.update_wrapper(lowering, fallback)
     lowering._mla_direct_call = kernel_name
     lowerings[op] = lowering
     return kernel_name
+
+
+def _site_name(node: _Namespace, overload: str, call_site: Callable, op, args, kwargs) -> Optional[str]:
+    """The attribute of ``node`` naming this call's site, made now; None where a size is symbolic or
+    ``call_site`` keeps the op's implementation for these facts."""
+    facts = _static_facts(op, args, kwargs)
+    if facts is None:
+        return None
+    name = f"site_{overload}_{call_site_name(facts)}"
+    site = call_site(facts)
+    if site is None:
+        return None
+    setattr(node, name, site)
+    return name
+
+
+def _static_facts(op, args, kwargs) -> Optional[tuple]:
+    """The lowering's arguments of ``op`` in schema order as ``_library.call_site``'s facts, or None where one is
+    not static (a symbolic size or scalar)."""
+    facts = []
+    for i, argument in enumerate(op._schema.arguments):
+        if i < len(args):
+            value = args[i]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            value = argument.default_value if argument.has_default_value() else None
+        fact = _static_fact(value)
+        if fact is _NOT_STATIC:
+            return None
+        facts.append(fact)
+    return tuple(facts)
+
+
+_NOT_STATIC = object()
+
+
+def _static_fact(value) -> Any:
+    from torch._inductor import ir
+
+    if isinstance(value, ir.IRNode):
+        shape = tuple(_number(s) for s in value.get_size())
+        if None in shape:
+            return _NOT_STATIC
+        return StaticTensor(value.get_dtype(), value.get_device(), shape)
+    if isinstance(value, (list, tuple)):
+        facts = [_static_fact(v) for v in value]
+        return _NOT_STATIC if any(f is _NOT_STATIC for f in facts) else facts
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    return _NOT_STATIC
+
+
+def _number(size) -> Optional[int]:
+    """An IR size (an int or a sympy expression) as an int where it is a number, else None."""
+    if isinstance(size, int):
+        return size
+    return int(size) if getattr(size, "is_number", False) else None

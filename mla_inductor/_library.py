@@ -8,17 +8,22 @@ inference only.
 
 from __future__ import annotations
 
-from typing import Callable
+import ast
+import base64
+import math
+import zlib
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
 # Ops whose implementation compiled code may call itself (``define_op(direct=True)``), and who wants to know.
-_DIRECT_IMPLS: dict = {}  # OpOverload -> impl
+_DIRECT_IMPLS: dict = {}  # OpOverload -> (impl, call_site)
 _DIRECT_WATCHERS: list[Callable] = []
 
 
-def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = (), *, direct: bool = False):
+def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = (), *, direct: bool = False,
+              call_site: Optional[Callable] = None):
     """Define the op ``qualname`` ("namespace::name") with ``schema`` (its arguments and returns, e.g.
     ``"(Tensor x) -> Tensor"``), computed by ``impl`` and faked by ``fake``; its OpOverloadPacket.
 
@@ -27,7 +32,13 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     the arguments back to Python) was more than half of a no-op op's host cost per compiled call (7.7 -> 3.2
     µs on CPU, ``benchmarks/bench_host_overhead.py --stub``), as much as a short decode kernel's host work. Only
     for ops whose implementation takes the schema's arguments (positionally, or a defaulted one by name) and needs
-    nothing the dispatcher adds (they have no autograd, and run under the device guard the compiled code sets)."""
+    nothing the dispatcher adds (they have no autograd, and run under the device guard the compiled code sets).
+
+    ``call_site(facts)``, for a direct op: a callable that computes ``impl``'s result for one call site of
+    compiled code, given what the graph fixes there (``facts``: the schema's arguments, each tensor a
+    ``StaticTensor``, each list a list, scalars as they are), or None to call ``impl``. What ``impl`` decides from
+    those facts on every call (a lookup by shapes, a check of static sizes) is then decided once per site. Only
+    offered where every size is static (``call_site_facts``)."""
     namespace, name = qualname.split("::")
     lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
     lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
@@ -35,9 +46,9 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     torch.library.register_fake(qualname, fake, lib=lib)
     packet = getattr(getattr(torch.ops, namespace), name)
     if direct:
-        _DIRECT_IMPLS[packet.default] = impl
+        _DIRECT_IMPLS[packet.default] = (impl, call_site)
         for watch in _DIRECT_WATCHERS:
-            watch(packet.default, impl)
+            watch(packet.default, impl, call_site)
     return packet
 
 
@@ -48,8 +59,55 @@ def direct_ops_watched() -> bool:
 
 
 def watch_direct_ops(callback: Callable) -> None:
-    """Call ``callback(op, impl)`` for every op defined with ``direct=True``: those defined so far, at once,
-    and each later one as it is defined."""
+    """Call ``callback(op, impl, call_site)`` for every op defined with ``direct=True``: those defined so far, at
+    once, and each later one as it is defined."""
     _DIRECT_WATCHERS.append(callback)
-    for op, impl in list(_DIRECT_IMPLS.items()):
-        callback(op, impl)
+    for op, (impl, call_site) in list(_DIRECT_IMPLS.items()):
+        callback(op, impl, call_site)
+
+
+# ----------------------------------------------------------------------------- call sites
+
+class StaticTensor(NamedTuple):
+    """A tensor argument as a compiled call site knows it before the call: dtype, device and static shape (the
+    graph's size checks hold every call to them). Has what shape logic reads of a tensor (``shape``, ``dtype``,
+    ``device``, ``numel()``), so a backend's key functions take it as they take the tensor."""
+
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _plain(fact) -> Any:
+    if isinstance(fact, StaticTensor):
+        return ("tensor", str(fact.dtype).removeprefix("torch."), str(fact.device), tuple(fact.shape))
+    if isinstance(fact, torch.dtype):
+        return ("dtype", str(fact).removeprefix("torch."))
+    if isinstance(fact, (list, tuple)):
+        return [_plain(f) for f in fact]
+    return fact
+
+
+def _fact(plain) -> Any:
+    if isinstance(plain, tuple):
+        return (StaticTensor(getattr(torch, plain[1]), torch.device(plain[2]), plain[3]) if plain[0] == "tensor"
+                else getattr(torch, plain[1]))
+    if isinstance(plain, list):
+        return [_fact(p) for p in plain]
+    return plain
+
+
+def call_site_name(facts: tuple) -> str:
+    """An identifier naming ``facts`` (what ``call_site_facts`` reads back): the generated code's name for the
+    call site's callable. Compressed base32 (letters and digits): valid anywhere Inductor puts a kernel's name."""
+    text = repr(tuple(_plain(f) for f in facts)).encode()
+    return base64.b32encode(zlib.compress(text, 9)).decode().rstrip("=").lower()
+
+
+def call_site_facts(name: str) -> tuple:
+    """The facts ``call_site_name`` encoded in ``name``."""
+    data = base64.b32decode(name.upper() + "=" * (-len(name) % 8))
+    return tuple(_fact(p) for p in ast.literal_eval(zlib.decompress(data).decode()))

@@ -436,6 +436,47 @@ def test_out_only_op_hands_the_kernel_no_lse_unless_rows_are_finished(fake_flash
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_compiled_runs_call_their_sites_and_read_each_steps_plan(fake_flashinfer, monkeypatch):
+    """Compiled (on CPU, the fake library): each run op is called by its site's own callable (``_RunSite``: static
+    sizes, the wrapper's key computed once per site), which runs the wrapper the graph's plan op planned; after
+    the lengths change, the next step plans again and both layers read the new plan."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    import mla_inductor.lowering  # noqa: F401 - installs the pass
+
+    backend = get_backend("flashinfer_fa3")
+    monkeypatch.setattr(backend, "supports", lambda problem, capability: None)
+    monkeypatch.setattr(backend, "unavailable_reason", lambda: None)
+    x = make_decode_inputs([5, 70, 1], num_heads=4, seed=8)
+    scale = x.softmax_scale
+
+    def two_layers(q_nope, q_pe, cache, block_table, seq_lens, kv_scale):
+        a = torch.ops.mla.paged_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale)
+        b, lse = torch.ops.mla.paged_decode_with_lse(q_nope * 0.5, q_pe, cache, block_table, seq_lens, scale,
+                                                     kv_scale)
+        return a, b, lse
+
+    def reference():
+        a, _ = mla_inductor.paged_decode_reference(*x.args())
+        return (a, *mla_inductor.paged_decode_reference(x.q_nope * 0.5, *x.args()[1:]))
+
+    args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
+    torch._dynamo.reset()
+    with mla_inductor.prefer_backends("flashinfer_fa3"), fresh_cache():
+        step = torch.compile(two_layers, fullgraph=True)
+        got, codes = run_and_get_code(step, *args)
+        results = [(got, reference())]
+        x.seq_lens.copy_(torch.tensor([64, 3, 20], dtype=torch.int32))  # a write: the next step plans again
+        results.append((step(*args), reference()))
+    for op in ("run_fa3_out", "run_fa3"):
+        assert f"= extern_kernels.mla_direct.mla_flashinfer.{op}.site_default_" in codes[0], (op, codes[0][-3000:])
+    (w,) = FakeWrapper.instances
+    assert len(w.plans) == 2
+    for (a, b, lse), (ref_a, ref_b, ref_lse) in results:
+        assert relative_error(a, ref_a) < TOLERANCE[torch.bfloat16]
+        assert relative_error(b, ref_b) < TOLERANCE[torch.bfloat16] and relative_error(lse, ref_lse) < 1e-3
+
+
 def test_run_without_plan_is_an_error(fake_flashinfer):
     x = make_decode_inputs([5, 70], num_heads=4)
     with pytest.raises(RuntimeError, match="plan op must run first"):
@@ -578,9 +619,11 @@ def test_gpu_compiled(name):
     code = "\n".join(codes)
     fi = name.split("_")[1]
     assert f"run_{fi}" in code and code.count(f"plan_{fi}.default(") == 1, code[-3000:]
-    # paged_decode reads no lse: the out-only run; every op called without the dispatcher (_library.define_op)
-    for op in (f"plan_{fi}", f"run_{fi}_out", f"run_{fi}"):
-        assert f"= extern_kernels.mla_direct.mla_flashinfer.{op}.default(" in code, (op, code[-3000:])
+    # paged_decode reads no lse: the out-only run; every op called without the dispatcher (_library.define_op),
+    # each run by its call site's own callable (static sizes: the wrapper's key found once per site)
+    assert f"= extern_kernels.mla_direct.mla_flashinfer.plan_{fi}.default(" in code, code[-3000:]
+    for op in (f"run_{fi}_out", f"run_{fi}"):
+        assert f"= extern_kernels.mla_direct.mla_flashinfer.{op}.site_default_" in code, (op, code[-3000:])
     ref_a, _ = mla_inductor.paged_decode_reference(*x.args())
     ref_b, ref_lse = mla_inductor.paged_decode_reference(x.q_nope * 0.5, *x.args()[1:])
     assert relative_error(a, ref_a) < TOLERANCE[torch.bfloat16]

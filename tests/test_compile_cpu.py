@@ -384,6 +384,95 @@ def test_compiled_code_calls_backend_ops_without_the_dispatcher():
         backends.unregister_backend("direct_test")
 
 
+SITES_MADE = []
+
+
+class _Site:
+    """A call site's callable (``decode_op``'s ``call_site``): keeps the facts it was made from, counts its calls."""
+
+    def __init__(self, facts):
+        self.facts, self.calls = facts, 0
+        SITES_MADE.append(self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return _direct_run(*args)
+
+
+class _SiteBackend(_DirectBackend):
+    name = "site_test"
+    op = None
+
+    def compiled_op(self):
+        if _SiteBackend.op is None:
+            from mla_inductor.backends._common import decode_op
+
+            _SiteBackend.op = decode_op("mla_site_test::run", _direct_run, call_site=_Site)
+        return _SiteBackend.op
+
+
+def test_static_call_sites_call_their_own_callable_and_symbolic_ones_the_op():
+    """A backend op with a ``call_site``: each call of a graph whose sizes are static calls the callable made for
+    its site from the site's facts (dtype, device and shape of every tensor, the scalars); a call whose sizes are
+    symbolic (``dynamic=True``) calls the op's implementation. Results are the reference's either way."""
+    from mla_inductor._library import StaticTensor
+
+    backends = mla_inductor.backends
+    backends.register_backend("site_test", _SiteBackend())
+    try:
+        args = _inputs("dense")
+        want = decode_step(*args)
+        for dynamic in (False, True):
+            torch._dynamo.reset()
+            del SITES_MADE[:], DIRECT_CALLS[:]
+            with mla_inductor.prefer_backends("site_test"), fresh_cache():
+                got, code = run_and_get_code(torch.compile(decode_step, fullgraph=True, dynamic=dynamic), *args)
+            for g, w in zip(got, want):
+                assert relative_error(g, w) < 1e-5
+            sites = code[0].count("= extern_kernels.mla_direct.mla_site_test.run.site_default_")
+            direct = code[0].count("= extern_kernels.mla_direct.mla_site_test.run.default(")
+            assert (sites, direct) == ((0, 2) if dynamic else (2, 0)), code[0]
+            # (static: the sites' callables ran, the implementation only through them)
+            assert DIRECT_CALLS == [float] * 2 and sum(s.calls for s in SITES_MADE) == (0 if dynamic else 2)
+            if not dynamic:
+                facts = SITES_MADE[0].facts
+        q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, _ = args
+        assert facts[:5] == tuple(StaticTensor(t.dtype, t.device, tuple(t.shape))
+                                  for t in (q_nope, q_pe, kv_cache, block_table, seq_lens))
+        assert facts[5:] == (0.125, StaticTensor(kv_scale.dtype, kv_scale.device, tuple(kv_scale.shape)), None, [])
+    finally:
+        backends.unregister_backend("site_test")
+
+
+def test_call_site_names_hold_their_facts():
+    """The name of a site in generated code is an identifier from which a new process reads its facts back."""
+    from mla_inductor._library import StaticTensor, call_site_facts, call_site_name
+
+    facts = (StaticTensor(torch.bfloat16, torch.device("cuda", 1), (1, 128, 512)), 0.1352337788608801, None,
+             [StaticTensor(torch.int32, torch.device("cpu"), (7,))], torch.float8_e4m3fn, 3, True, "x")
+    name = call_site_name(facts)
+    assert name.isidentifier() and name.isalnum() and call_site_facts(name) == facts
+    assert call_site_facts(call_site_name(facts[:1] + (0.1,))) != facts[:1] + (0.1352337788608801,)
+
+
+def test_a_call_that_attends_nothing_by_its_static_sizes_gets_no_site():
+    """``decode_op`` asks a backend's ``call_site`` only for calls that attend something: the op's implementation
+    returns the contract's result for the others (``attends_nothing``)."""
+    from mla_inductor._library import StaticTensor, _DIRECT_IMPLS
+
+    op = _SiteBackend().compiled_op()
+    _, site = _DIRECT_IMPLS[op]
+    cpu = torch.device("cpu")
+
+    def facts(rows, width):
+        return (StaticTensor(torch.float32, cpu, (rows, 3, 32)), StaticTensor(torch.float32, cpu, (rows, 3, 16)),
+                StaticTensor(torch.float32, cpu, (9, 4, 48)), StaticTensor(torch.int32, cpu, (rows, width)),
+                StaticTensor(torch.int32, cpu, (rows,)), 0.125, StaticTensor(torch.float32, cpu, (1,)), None, [])
+
+    assert site(facts(0, 3)) is None and site(facts(2, 0)) is None
+    assert isinstance(site(facts(2, 3)), _Site)
+
+
 _CACHED_STEP = """
 import torch
 from torch._dynamo.utils import counters
@@ -399,14 +488,18 @@ def step(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
 with mla_inductor.prefer_backends("triton"):
     got = torch.compile(step, fullgraph=True)(*args)
 want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
-print("hits", counters["inductor"]["fxgraph_cache_hit"], "error", relative_error(got, want))
+from torch._inductor.select_algorithm import extern_kernels
+calls = vars(extern_kernels.mla_direct.mla_triton.decode_keeping_workspace)
+print("hits", counters["inductor"]["fxgraph_cache_hit"], "error", relative_error(got, want),
+      "sites", sum(name.startswith("site_") for name in calls))
 """
 
 
 def test_a_graph_loaded_from_the_cache_in_a_new_process_finds_its_direct_calls(tmp_path):
     """Compiled code that calls a backend's op without the dispatcher, saved in Inductor's FX graph cache and
     loaded by another process (which has compiled nothing): the op's direct name is there before the code
-    runs, and the result is the reference's."""
+    runs, its call site's callable is made from the name the code calls it by, and the result is the
+    reference's."""
     import subprocess
     import sys
 
@@ -416,8 +509,9 @@ def test_a_graph_loaded_from_the_cache_in_a_new_process_finds_its_direct_calls(t
             for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
-    (hits0, err0), (hits1, err1) = [run.stdout.split()[1::2] for run in runs]
+    (hits0, err0, sites0), (hits1, err1, sites1) = [run.stdout.split()[1::2] for run in runs]
     assert (hits0, hits1) == ("0", "1") and float(err0) < 1e-5 and float(err1) < 1e-5, [r.stdout for r in runs]
+    assert (sites0, sites1) == ("1", "1"), [r.stdout for r in runs]
 
 
 _DISPATCHER_AB = """

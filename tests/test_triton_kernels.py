@@ -409,8 +409,27 @@ def test_backend_through_the_op_eager_and_compiled():
         torch._dynamo.reset()
         got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
     # Compiled without CUDA graphs: the op that keeps the split-KV workspace per stream, as eager calls do.
-    assert "= extern_kernels.mla_direct.mla_triton.decode_keeping_workspace.default(" in code[0]  # no dispatcher
+    # No dispatcher: the call site's own callable (static sizes)
+    assert "= extern_kernels.mla_direct.mla_triton.decode_keeping_workspace.site_default_" in code[0]
     assert rel_l2(got, want) < TOL[torch.bfloat16]
+
+
+@cpu_only
+def test_call_site_finds_the_launch_of_each_stride_layout():
+    """The compiled op's call-site callable (``_DecodeSite``) keys its prepared launches by the tensors' strides
+    (shapes and dtypes are the site's): q given as slices of one [T, H, L+R] row and as separate tensors,
+    same shapes, each gets its own launch and the reference's result."""
+    from mla_inductor.backends.triton import _DecodeSite
+
+    site = _DecodeSite(keep_workspace=True)
+    for q_strided in (False, True, False):
+        c = make_case(B=2, Q=1, H=16, L=256, R=32, page=8, seq_lens=[21, 9], seed=52, q_strided=q_strided)
+        args = (c["q_nope"], c["q_pe"], c["kv_cache"], c["block_table"], c["seq_lens"], c["softmax_scale"],
+                c["kv_scale"])
+        out, lse = site(*args, None, [])
+        want, want_lse = paged_decode_reference(*args)
+        assert rel_l2(out, want) < TOL[torch.bfloat16] and rel_l2(lse, want_lse) < 1e-3
+    assert len(site.launches) == 2
 
 
 @gpu
@@ -431,5 +450,5 @@ def test_gpu_compiled_step_calls_our_op():
     with mla_inductor.prefer_backends("triton"):
         torch._dynamo.reset()
         got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
-    assert "= extern_kernels.mla_direct.mla_triton.decode_keeping_workspace.default(" in "\n".join(code)
+    assert "= extern_kernels.mla_direct.mla_triton.decode_keeping_workspace.site_default_" in "\n".join(code)
     assert rel_l2(got, paged_decode_reference(*args)[0]) < TOL[torch.bfloat16]

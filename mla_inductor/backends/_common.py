@@ -66,7 +66,7 @@ def _empty_call_result(returns: str, fake: Callable, args: tuple):
 
 
 def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_plan: bool = True,
-              fake: Optional[Callable] = None, host_plan: bool = False):
+              fake: Optional[Callable] = None, host_plan: bool = False, call_site: Optional[Callable] = None):
     """Define the op ``qualname`` ("namespace::name") on the contract's eight arguments, followed by
     ``plan: Tensor[]`` when ``takes_plan``, and return its OpOverload (the pass matches nodes by it).
 
@@ -75,7 +75,9 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
     (default: the contract's, from ``empty_decode_outputs``; required for the lists). ``impl`` never sees a
     call that attends nothing by its static sizes (``attends_nothing``): the op returns the contract's
     result for it (and a plan of zeros) without running ``impl``. ``host_plan``: the op plans on the
-    host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside).
+    host: it is tagged ``cudagraph_unsafe`` (CUDA-graph capture leaves it outside). ``call_site(facts)``: the
+    op's callable for one site of compiled code (``_library.define_op``); it is asked only for calls whose
+    static sizes attend something, so a site needs no ``attends_nothing`` check.
 
     Registered with the low-level Library API (``_library``): no ``torch.library.custom_op`` layers per call;
     code compiled by Inductor calls the implementation without the dispatcher (``define_op(direct=True)``).
@@ -94,8 +96,14 @@ def decode_op(qualname: str, impl: Callable, *, returns: str = "out_lse", takes_
             return _empty_call_result(returns, fake, args)
         return impl(*args)
 
+    def site(facts):
+        if attends_nothing(facts[0], facts[2], facts[3], facts[7]):
+            return None
+        return call_site(facts)
+
     full.__doc__ = impl.__doc__
-    return define_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else (), direct=True).default
+    return define_op(qualname, schema, full, fake, tags=CUDAGRAPH_UNSAFE_TAGS if host_plan else (), direct=True,
+                     call_site=site if call_site else None).default
 
 
 # ----------------------------------------------------------------------------- refusals

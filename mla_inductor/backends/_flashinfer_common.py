@@ -373,11 +373,34 @@ def wrapper_run(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, softm
     """Run the wrapper planned for this configuration: ``(out [T, H, L] q's dtype, lse [T, H] fp32)``, or out
     alone where ``with_lse`` is False. ``key``: the configuration's, where the caller has it already."""
     key = key or _run_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+    return run_planned(_planned_entry(key), q_nope, q_pe, kv_cache, kv_scale, sparse_indices, plan[0], with_lse)
+
+
+def _planned_entry(key: _WrapperKey) -> _PlannedWrapper:
     entry = _WRAPPERS.get(key)
     if entry is None:
-        raise RuntimeError(f"mla_flashinfer::run_{fi_backend}: no plan for this configuration ({key}); "
+        raise RuntimeError(f"mla_flashinfer::run_{key.fi_backend}: no plan for this configuration ({key}); "
                            f"the plan op must run first")
-    return run_planned(entry, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, plan[0], with_lse)
+    return entry
+
+
+class _RunSite:
+    """``run_<b>`` / ``run_<b>_out`` at one site of compiled code (``decode_op``'s ``call_site``): the wrapper's
+    key is fixed by the site's static shapes, so it is computed once, not looked up by shapes on every call, and
+    its wrapper is kept once the site's first call finds it."""
+
+    __slots__ = ("key", "with_lse", "entry", "table")
+
+    def __init__(self, key: _WrapperKey, with_lse: bool):
+        self.key, self.with_lse, self.entry, self.table = key, with_lse, None, None
+
+    def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None,
+                 plan=()):
+        entry = self.entry
+        if entry is None or self.table is not _WRAPPERS:  # (a test may start a fresh table)
+            entry = self.entry = _planned_entry(self.key)
+            self.table = _WRAPPERS
+        return run_planned(entry, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, plan[0], self.with_lse)
 
 
 def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts: Tensor,
@@ -444,10 +467,17 @@ def _define_wrapper_ops(fi_backend: str):
                    f"(out [T, H, L], lse [T, H] fp32, natural log).")
     run_out.__doc__ = (f"mla.paged_decode on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
                        f"out [T, H, L].")
+    def run_site(with_lse: bool):
+        def call_site(facts) -> _RunSite:
+            q_nope, q_pe, kv_cache, block_table, _, softmax_scale, _, sparse_indices, _ = facts
+            return _RunSite(_wrapper_key(fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale,
+                                         sparse_indices), with_lse)
+        return call_site
+
     return (decode_op(f"mla_flashinfer::plan_{fi_backend}", plan, returns="tensors", takes_plan=False,
                       fake=_wrapper_plan_fake, host_plan=True),
-            decode_op(f"mla_flashinfer::run_{fi_backend}", run),
-            decode_op(f"mla_flashinfer::run_{fi_backend}_out", run_out, returns="out"))
+            decode_op(f"mla_flashinfer::run_{fi_backend}", run, call_site=run_site(True)),
+            decode_op(f"mla_flashinfer::run_{fi_backend}_out", run_out, returns="out", call_site=run_site(False)))
 
 
 class FlashInferWrapperBackend(Backend):

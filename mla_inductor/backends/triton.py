@@ -66,8 +66,33 @@ def _run_keeping_workspace(q_nope, q_pe, kv_cache, block_table, seq_lens, softma
     return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, keep_workspace=True)
 
 
-DECODE_OP = decode_op("mla_triton::decode", _run)
-DECODE_KEEPING_WORKSPACE_OP = decode_op("mla_triton::decode_keeping_workspace", _run_keeping_workspace)
+class _DecodeSite:
+    """The decode op at one site of compiled code (``decode_op``'s ``call_site``): shapes, dtypes, devices and
+    which optional tensors are given are fixed there, so a call finds its prepared launch by its tensors'
+    strides alone (a few attribute reads, where ``call_signature`` reads every property of every argument)."""
+
+    __slots__ = ("keep_workspace", "launches")
+
+    def __init__(self, keep_workspace: bool):
+        self.keep_workspace = keep_workspace
+        self.launches: dict = {}
+
+    def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None,
+                 plan=()):
+        strides = (q_nope.stride(), q_pe.stride(), kv_cache.stride(), block_table.stride(), seq_lens.stride(),
+                   None if kv_scale is None else kv_scale.stride(),
+                   None if sparse_indices is None else sparse_indices.stride())
+        launch = self.launches.get(strides)
+        if launch is None:
+            launch = self.launches[strides] = prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                                                              softmax_scale, kv_scale, sparse_indices)
+        return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices,
+                      keep_workspace=self.keep_workspace)
+
+
+DECODE_OP = decode_op("mla_triton::decode", _run, call_site=lambda facts: _DecodeSite(False))
+DECODE_KEEPING_WORKSPACE_OP = decode_op("mla_triton::decode_keeping_workspace", _run_keeping_workspace,
+                                        call_site=lambda facts: _DecodeSite(True))
 
 
 class TritonBackend(Backend):
