@@ -1,7 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--a-query-views] [--dispatcher-calls] [--out DIR]
+        [--a-query-views] [--dispatcher-calls | --no-call-sites] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -57,6 +57,8 @@ Each part prints its rows as it goes; ``--time-limit`` (seconds, for the whole r
 once spent, and the report marks what was not run. ``--out DIR`` writes bench_modes.md and bench_modes.json.
 ``--dispatcher-calls``: compiled code calls our ops through PyTorch's dispatcher, as it did before they were called
 directly (``_library.define_op(direct=True)``): the same cases with and without it are an A/B of that change.
+``--no-call-sites``: compiled code calls our ops directly, but each call through the op's implementation instead of
+its call site's own callable (``define_op``'s ``call_site``): the A/B of call sites.
 """
 
 from __future__ import annotations
@@ -618,6 +620,19 @@ def calls_through_the_dispatcher() -> None:
     library.watch_direct_ops = lambda callback: None
 
 
+def calls_without_sites() -> None:
+    """Keep the pass from giving calls their call sites' callables (``_library.define_op``'s ``call_site``): the
+    generated code then calls each op's implementation directly. Must run before the pass is loaded."""
+    import sys
+
+    if "mla_inductor.lowering" in sys.modules:
+        raise RuntimeError("--no-call-sites: the pass is loaded already; its call sites are arranged")
+    import mla_inductor._library as library
+
+    watch = library.watch_direct_ops
+    library.watch_direct_ops = lambda callback: watch(lambda op, impl, call_site: callback(op, impl, None))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
@@ -651,6 +666,9 @@ def main(argv=None) -> None:
     p.add_argument("--dispatcher-calls", action="store_true",
                    help="compiled code calls our ops through the dispatcher, as before they were called directly "
                         "(an A/B of _library.define_op(direct=True); eager calls are the same either way)")
+    p.add_argument("--no-call-sites", action="store_true",
+                   help="compiled code calls each op's implementation directly, not its call site's own callable "
+                        "(an A/B of _library.define_op's call_site)")
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -663,6 +681,8 @@ def main(argv=None) -> None:
     require_gpu("bench_modes.py")
     if args.dispatcher_calls:
         calls_through_the_dispatcher()
+    elif args.no_call_sites:
+        calls_without_sites()
     deadline = Deadline(args.time_limit)
     env = environment(("flashinfer", "flash_mla", "vllm", "transformers"))
     progress(f"# {environment_line(env)}")

@@ -519,7 +519,7 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import bench_modes
-bench_modes.calls_through_the_dispatcher()
+getattr(bench_modes, sys.argv[2])()
 from torch._inductor.utils import run_and_get_code
 import mla_inductor
 from mla_inductor.testing import make_decode_inputs
@@ -530,24 +530,28 @@ def step(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale):
 with mla_inductor.prefer_backends("triton"):
     _, code = run_and_get_code(torch.compile(step, fullgraph=True), x.q_nope, x.q_pe, x.kv_cache, x.block_table,
                                x.seq_lens, x.kv_scale)
-print("direct", "= extern_kernels.mla_direct." in code[0], "dispatcher", "= torch.ops.mla_triton." in code[0])
+print("direct", "= extern_kernels.mla_direct." in code[0], "dispatcher", "= torch.ops.mla_triton." in code[0],
+      "sites", ".site_default_" in code[0])
 """
 
 
-def test_bench_modes_dispatcher_calls_compiles_calls_through_the_dispatcher():
+@pytest.mark.parametrize("switch,want", [("calls_through_the_dispatcher", ["False", "True", "False"]),
+                                         ("calls_without_sites", ["True", "False", "False"])])
+def test_bench_modes_ab_switches_compile_what_they_say(switch, want):
     """``bench_modes --dispatcher-calls`` (the A/B of direct calls) really gives the generated code dispatcher calls,
-    and refuses once the pass is loaded (this process: its ops would be called directly anyway)."""
+    and ``--no-call-sites`` (the A/B of call sites) direct calls of the op's implementation; each refuses once the
+    pass is loaded (this process: its calls are arranged already)."""
     import subprocess
     import sys
 
     from benchmark_modules import BENCHMARKS, load_benchmark
 
-    run = subprocess.run([sys.executable, "-c", _DISPATCHER_AB, str(BENCHMARKS)], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
+    run = subprocess.run([sys.executable, "-c", _DISPATCHER_AB, str(BENCHMARKS), switch], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["direct", "False", "dispatcher", "True"], run.stdout
+    assert run.stdout.split() == ["direct", want[0], "dispatcher", want[1], "sites", want[2]], run.stdout
     with pytest.raises(RuntimeError, match="pass is loaded already"):
-        load_benchmark("bench_modes").calls_through_the_dispatcher()
+        getattr(load_benchmark("bench_modes"), switch)()
 
 
 def test_cpp_wrapper_compiles_our_ops_and_the_record():
