@@ -632,3 +632,42 @@ def test_the_cache_writer_is_chosen_once_per_device_and_registry(monkeypatch):
         assert len(choices) == 2
     finally:
         unregister_backend("another_test_backend")
+
+
+def test_views_of_a_tensor_are_made_once_and_follow_its_memory():
+    """``TensorViews``: the same views for the same tensor object (made once), equal to the tensor's own slices;
+    made again once the tensor's memory is replaced (``t.data = other``); and they never keep the tensor alive:
+    freeing it drops its entry, as it does for a tensor made anew for each call."""
+    import gc
+    import weakref
+
+    from mla_inductor.backends._common import TensorViews
+
+    views = TensorViews()
+    made = []
+
+    def halves(t):
+        made.append(1)
+        return t.split_with_sizes((6, 2), -1)
+
+    cache = torch.randn(3, 4, 8)
+    first = views.get(cache, "halves", halves)
+    assert views.get(cache, "halves", halves) is first and len(made) == 1
+    for view, want in zip(first, (cache[..., :6], cache[..., 6:])):
+        assert view.data_ptr() == want.data_ptr() and view.shape == want.shape and view.stride() == want.stride()
+    cache.add_(1)  # a write: the views read the tensor's memory
+    assert torch.equal(first[1], cache[..., 6:])
+    assert views.get(cache, ("flat", 1), lambda t: (t.reshape(-1, 8),))[0].shape == (12, 8)  # another kind
+    cache.data = torch.randn(5, 4, 8)  # new memory, same object
+    again = views.get(cache, "halves", halves)
+    assert len(made) == 2 and again[0].shape == (5, 4, 6) and torch.equal(again[1], cache[..., 6:])
+    freed = []
+    watch = weakref.ref(cache, lambda ref: freed.append(1))
+    del cache, want  # (``want``: a view of the tensor itself, which does keep it)
+    gc.collect()
+    assert freed == [1] and watch() is None and len(views) == 0
+    assert torch.equal(again[1], again[1].clone())  # the views still hold their memory
+    stacked = torch.randn(4, 3, 4, 8)
+    for layer in range(4):
+        views.get(stacked[layer], "halves", halves)  # a fresh tensor each call: its entry goes with it
+    assert len(views) == 0

@@ -326,3 +326,45 @@ def forget_plans() -> None:
     way torch's version counter does not see (see ``PlanCache``)."""
     for cache in list(_PLAN_CACHES):
         cache.forget()
+
+
+# ----------------------------------------------------------------------------- views of long-lived tensors
+
+class TensorViews:
+    """Views a kernel call takes of a long-lived tensor (a layer's cache: FlashInfer's latent and rope halves,
+    FlashMLA's head axis), made on the tensor's first call and returned again while it lives. A view op is about
+    a µs of host time, and a short compiled call's whole host work is a few of them: a layer's cache is the same
+    tensor object every step, so its views are too.
+
+    ``get(t, how, make)``: ``make(alias)`` returns the views (a tuple) of ``alias``, a ``detach()``ed alias of
+    ``t``; ``how`` names them (hashable). The views hold the memory, not the tensor object (a view of ``t`` itself
+    would keep ``t`` alive): when ``t`` is freed, a weak reference drops its entry and with it the views. An entry
+    is checked against ``t``'s address and shape on every use (``t.data = other`` and ``set_`` change them; a
+    reinterpretation of the same memory with other strides or dtype is not seen, as in ``PlanCache``). A
+    tensor made anew for each call (``stacked[layer]``) misses every time: one ``detach()`` and a weak reference
+    more than making the views directly."""
+
+    def __init__(self):
+        self._held: dict[tuple, tuple] = {}
+
+    def get(self, t: Tensor, how, make: Callable[[Tensor], tuple]) -> tuple:
+        key = (id(t), how)
+        held = self._held.get(key)
+        if held is not None and held[0]() is t and held[1] == t.data_ptr() and held[2] == t.shape:
+            return held[3]
+        views = make(t.detach())
+        held = self._held
+
+        def forget(ref, key=key):
+            entry = held.get(key)
+            if entry is not None and entry[0] is ref:
+                del held[key]
+
+        held[key] = (weakref.ref(t, forget), t.data_ptr(), t.shape, views)
+        return views
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+VIEWS = TensorViews()

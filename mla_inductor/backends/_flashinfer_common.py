@@ -66,6 +66,7 @@ from mla_inductor.backends._common import (
     sm,
     static_shape_reason,
     visible_key_counts,
+    VIEWS,
 )
 from mla_inductor.cache import cache_dtype, host_lengths
 from mla_inductor.contract import DecodeProblem, being_captured
@@ -158,7 +159,7 @@ class _PlannedWrapper:
         # What each run reads of the configuration, computed once: output shapes, the cache's split, fp8.
         rows = key.requests * key.qo_len
         self.out_shape, self.lse_shape = (rows, key.num_heads, key.kv_lora_rank), (rows, key.num_heads)
-        self.split = (key.kv_lora_rank, key.rope_dim)
+        self.split = (key.kv_lora_rank, key.rope_dim)  # the kernel reads the cache as these halves (VIEWS)
         self.fp8 = key.kv_dtype == torch.float8_e4m3fn
         self.on_cuda = device.type == "cuda"
         # plan() reads qo_indptr / kv_indptr / kv_len_arr on the host; the indptrs depend only on the
@@ -176,6 +177,12 @@ class _PlannedWrapper:
         # The module call wrapper.run() made for the current plan, to repeat without its Python (_DirectRun);
         # None until the first run after each plan, False where it cannot be repeated.
         self.direct_run = None
+
+    def halves(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        return kv_cache.split_with_sizes(self.split, 2)  # one op for both views
+
+    def flat_halves(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        return kv_cache.reshape(-1, 1, kv_cache.shape[-1]).split_with_sizes(self.split, 2)
 
     def wait_for_upload(self) -> None:
         """Wait for the previous plan's upload, only if the GPU has not reached it yet (the host is then a
@@ -411,8 +418,10 @@ def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse
     # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
     # launches it, since its replays may follow plans that do.
     finish = entry.rows_may_be_empty or (entry.on_cuda and _capturing())
-    cache = kv_cache if sparse_indices is None else kv_cache.reshape(-1, 1, kv_cache.shape[-1])
-    ckv, kpe = cache.split_with_sizes(entry.split, 2)  # one op for both views
+    if sparse_indices is None:
+        ckv, kpe = VIEWS.get(kv_cache, entry.split, entry.halves)
+    else:  # the cache read as one page of slots
+        ckv, kpe = VIEWS.get(kv_cache, ("flat", entry.split), entry.flat_halves)
     out = q_nope.new_empty(entry.out_shape)
     lse = q_nope.new_empty(entry.lse_shape, dtype=torch.float32) if with_lse or finish else None
     scales = _NO_SCALES

@@ -87,6 +87,7 @@ from mla_inductor.backends._common import (
     skips_empty_calls,
     sm,
     visible_key_counts,
+    VIEWS,
 )
 from mla_inductor.cache import cache_dtype, cache_format
 from mla_inductor.contract import DecodeProblem, being_captured, empty_decode_outputs
@@ -706,13 +707,22 @@ def _decode_out(*args) -> Tensor:
     return decode_and_plan(*args, need_lse=False, mode=mode)[0]
 
 
+_HEAD_AXIS = "head axis"
+
+
+def _with_head_axis(kv_cache: Tensor) -> tuple[Tensor]:
+    """The cache as FlashMLA reads it, [P, page, 1, D] (one KV head): kept per cache tensor (``VIEWS``)."""
+    return (kv_cache.unsqueeze(2),)
+
+
 def _attend_dense(provider: Provider, q_nope, q_pe, kv_cache, B: int, seq_lens, softmax_scale, plan) -> Tensor:
     """out [T, H, 512] of a dense (bf16/fp16 cache) call on ``plan`` ([schedule, splits, row counts, clamped
     table]): one kernel call, which zeroes the rows that see nothing itself."""
     T, H, L = q_nope.shape
     q = _kernel_query(q_nope, q_pe, B)
-    out = provider.attend("dense", q, kv_cache.unsqueeze(2), plan[3], seq_lens, softmax_scale, _causal("dense", q),
-                          None, plan[0], plan[1])[0]
+    (kcache,) = VIEWS.get(kv_cache, _HEAD_AXIS, _with_head_axis)
+    out = provider.attend("dense", q, kcache, plan[3], seq_lens, softmax_scale, _causal("dense", q), None, plan[0],
+                          plan[1])[0]
     return out.view(T, H, L)
 
 
