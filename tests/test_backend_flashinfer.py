@@ -436,6 +436,19 @@ def test_out_only_op_hands_the_kernel_no_lse_unless_rows_are_finished(fake_flash
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def two_layer_step(scale: float):
+    """A compiled step's two calls over one cache: ``mla.paged_decode`` (the out-only run op) and
+    ``mla.paged_decode_with_lse`` on another query (the run op with lse)."""
+
+    def two_layers(q_nope, q_pe, cache, block_table, seq_lens, kv_scale):
+        a = torch.ops.mla.paged_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale)
+        b, lse = torch.ops.mla.paged_decode_with_lse(q_nope * 0.5, q_pe, cache, block_table, seq_lens, scale,
+                                                     kv_scale)
+        return a, b, lse
+
+    return two_layers
+
+
 def test_compiled_runs_call_their_sites_and_read_each_steps_plan(fake_flashinfer, monkeypatch):
     """Compiled (on CPU, the fake library): each run op is called by its site's own callable (``_RunSite``: static
     sizes, the wrapper's key computed once per site), which runs the wrapper the graph's plan op planned; after
@@ -448,13 +461,7 @@ def test_compiled_runs_call_their_sites_and_read_each_steps_plan(fake_flashinfer
     monkeypatch.setattr(backend, "supports", lambda problem, capability: None)
     monkeypatch.setattr(backend, "unavailable_reason", lambda: None)
     x = make_decode_inputs([5, 70, 1], num_heads=4, seed=8)
-    scale = x.softmax_scale
-
-    def two_layers(q_nope, q_pe, cache, block_table, seq_lens, kv_scale):
-        a = torch.ops.mla.paged_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale)
-        b, lse = torch.ops.mla.paged_decode_with_lse(q_nope * 0.5, q_pe, cache, block_table, seq_lens, scale,
-                                                     kv_scale)
-        return a, b, lse
+    two_layers = two_layer_step(x.softmax_scale)
 
     def reference():
         a, _ = mla_inductor.paged_decode_reference(*x.args())
@@ -604,14 +611,7 @@ def test_gpu_compiled(name):
 
     x = make_decode_inputs([0, 1, 65, 300], num_heads=16, q_per_seq=2, device="cuda", seed=5)
     _gpu_backend_or_skip(name, x)
-    scale = x.softmax_scale
-
-    def two_layers(q_nope, q_pe, cache, block_table, seq_lens, kv_scale):
-        a = torch.ops.mla.paged_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale)
-        b, lse = torch.ops.mla.paged_decode_with_lse(q_nope * 0.5, q_pe, cache, block_table, seq_lens, scale,
-                                                     kv_scale)
-        return a, b, lse
-
+    two_layers = two_layer_step(x.softmax_scale)
     args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, x.kv_scale)
     torch._dynamo.reset()
     with mla_inductor.prefer_backends(name):
