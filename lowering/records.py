@@ -187,7 +187,9 @@ def _from_json(data: dict) -> Decision:
                     tuple(data.get("notes", ())))
 
 
-# Defined with the low-level Library API: no custom_op Python layers on a call made every step.
+# Defined with the low-level Library API: no custom_op Python layers on a call made every step; and called by
+# the generated code without the dispatcher (``direct``), whose part of a call is most of this op's cost: a
+# graph of one decode call (an MTP draft layer, a layer compiled alone) runs it once per call.
 COMPILED_WITH = define_op("mla::compiled_with", "(Tensor? anchor, str key, str record) -> ()", _compiled_with,
-                          lambda anchor, key, record: None).default
+                          lambda anchor, key, record: None, direct=True).default
 keep_in_graph(COMPILED_WITH)  # it returns nothing: without this, dead-code elimination drops it

@@ -131,3 +131,19 @@ def test_decisions_made_lists_every_decision_of_the_block_repeats_included():
     with decisions_made() as idle:
         step(*ARGS)  # eager: the pass decides nothing
     assert idle == []
+
+
+def test_the_record_is_called_without_the_dispatcher():
+    """The record op runs on every call of a graph compiled without CUDA graphs (once per call of a one-call
+    graph): the generated code calls it itself, so the profiler, which records every op the dispatcher runs,
+    records none, and it still does its work (the warning of the tests above)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    _, code = run_and_get_code(compiled, *ARGS)
+    assert code[0].count("extern_kernels.mla_direct.mla.compiled_with.default(") == 1, code[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        compiled(*ARGS)
+    recorded = {event.key for event in profile.key_averages()}
+    assert not any("compiled_with" in key for key in recorded) and "mla::check_decode_values" in recorded, recorded
