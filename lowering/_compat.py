@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -258,6 +259,8 @@ def _static_fact(value) -> Any:
     if isinstance(value, (list, tuple)):
         facts = [_static_fact(v) for v in value]
         return _NOT_STATIC if any(f is _NOT_STATIC for f in facts) else facts
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NOT_STATIC  # (a site's name holds its facts as Python literals: inf and nan are not ones)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return value
     return _NOT_STATIC
