@@ -37,8 +37,8 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     ``call_site(facts)``, for a direct op: a callable that computes ``impl``'s result for one call site of
     compiled code, given what the graph fixes there (``facts``: the schema's arguments, each tensor a
     ``StaticTensor``, each list a list, scalars as they are), or None to call ``impl``. What ``impl`` decides from
-    those facts on every call (a lookup by shapes, a check of static sizes) is then decided once per site. Only
-    offered where every size is static (``call_site_facts``)."""
+    those facts on every call (a lookup by shapes, a check of static sizes) is then decided once per site. Asked
+    only where every size of the call is static (``lowering/_compat.call_without_dispatcher``)."""
     namespace, name = qualname.split("::")
     lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
     lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
