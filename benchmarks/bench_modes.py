@@ -1,7 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--a-query-views] [--dispatcher-calls | --no-call-sites] [--out DIR]
+        [--a-query-views] [--dispatcher-calls | --no-call-sites] [--no-kept-views] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -58,7 +58,8 @@ once spent, and the report marks what was not run. ``--out DIR`` writes bench_mo
 ``--dispatcher-calls``: compiled code calls our ops through PyTorch's dispatcher, as it did before they were called
 directly (``_library.define_op(direct=True)``): the same cases with and without it are an A/B of that change.
 ``--no-call-sites``: compiled code calls our ops directly, but each call through the op's implementation instead of
-its call site's own callable (``define_op``'s ``call_site``): the A/B of call sites.
+its call site's own callable (``define_op``'s ``call_site``): the A/B of call sites. ``--no-kept-views``: the views a
+kernel takes of a layer's cache are made on every call instead of kept per cache tensor (``TensorViews``).
 """
 
 from __future__ import annotations
@@ -633,6 +634,14 @@ def calls_without_sites() -> None:
     library.watch_direct_ops = lambda callback: watch(lambda op, impl, call_site: callback(op, impl, None))
 
 
+def views_made_per_call() -> None:
+    """Make the views a kernel takes of a cache on every call, as before ``backends._common.TensorViews`` kept
+    them per cache tensor (the A/B of kept views)."""
+    from mla_inductor.backends._common import TensorViews
+
+    TensorViews.get = lambda self, t, how, make: make(t)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
@@ -669,6 +678,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-call-sites", action="store_true",
                    help="compiled code calls each op's implementation directly, not its call site's own callable "
                         "(an A/B of _library.define_op's call_site)")
+    p.add_argument("--no-kept-views", action="store_true",
+                   help="the views of a layer's cache made on every call, not kept per cache tensor (an A/B of "
+                        "backends._common.TensorViews)")
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -683,6 +695,8 @@ def main(argv=None) -> None:
         calls_through_the_dispatcher()
     elif args.no_call_sites:
         calls_without_sites()
+    if args.no_kept_views:
+        views_made_per_call()
     deadline = Deadline(args.time_limit)
     env = environment(("flashinfer", "flash_mla", "vllm", "transformers"))
     progress(f"# {environment_line(env)}")

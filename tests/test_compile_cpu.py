@@ -554,6 +554,27 @@ def test_bench_modes_ab_switches_compile_what_they_say(switch, want):
         getattr(load_benchmark("bench_modes"), switch)()
 
 
+def test_bench_modes_no_kept_views_makes_views_on_every_call():
+    """``bench_modes --no-kept-views`` (the A/B of kept cache views): each call makes its views again."""
+    import subprocess
+    import sys
+
+    from benchmark_modules import BENCHMARKS
+
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import torch, bench_modes\n"
+              "from mla_inductor.backends._common import VIEWS\n"
+              "cache = torch.randn(2, 4, 8)\n"
+              "def views():\n"
+              "    return VIEWS.get(cache, 'halves', lambda t: t.split_with_sizes((6, 2), -1))\n"
+              "kept = views() is views()\n"
+              "bench_modes.views_made_per_call()\n"
+              "again = views()\n"
+              "print(kept, again is views(), torch.equal(again[1], cache[..., 6:]))")
+    run = subprocess.run([sys.executable, "-c", script, str(BENCHMARKS)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "False", "True"], run.stdout
+
+
 def test_cpp_wrapper_compiles_our_ops_and_the_record():
     """Inductor's C++ wrapper (``cpp_wrapper``, AOTInductor's codegen) compiles a graph of our ops: the pass's
     record is written as a C++ string literal (base64, no quotes to escape), and the backend's op goes through
