@@ -61,11 +61,13 @@ class _Kernel:
 
 @pytest.fixture
 def as_if_on_cuda(monkeypatch):
-    """KernelLaunch as on a GPU: CPU tensors count as CUDA ones, the fake compiled kernel as triton's."""
+    """KernelLaunch as on a GPU: CPU tensors count as CUDA ones, the fake compiled kernel as triton's, and the
+    current stream is stream 0 (a CUDA build of torch without a GPU driver cannot query one)."""
     device = {"current": 0}
     monkeypatch.setattr(launch_module, "on_cuda", lambda t: True)
     monkeypatch.setattr(launch_module, "compiled_kernel_class", lambda: _Compiled)
     monkeypatch.setattr(launch_module, "current_device", lambda: device["current"])
+    monkeypatch.setattr(launch_module, "raw_stream_query", lambda: lambda index: 0)
     return device
 
 
