@@ -1,7 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--a-query-views] [--dispatcher-calls | --no-call-sites] [--no-kept-views] [--out DIR]
+        [--a-query-views] [--dispatcher-calls] [--no-call-sites] [--no-kept-views] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -642,6 +642,20 @@ def views_made_per_call() -> None:
     TensorViews.get = lambda self, t, how, make: make(t)
 
 
+# The A/B switches: flag, what it does to this process before anything compiles, its help.
+AB_SWITCHES = (
+    ("--dispatcher-calls", calls_through_the_dispatcher,
+     "compiled code calls our ops through the dispatcher, as before they were called directly (an A/B of "
+     "_library.define_op(direct=True); eager calls are the same either way)"),
+    ("--no-call-sites", calls_without_sites,
+     "compiled code calls each op's implementation directly, not its call site's own callable (an A/B of "
+     "_library.define_op's call_site)"),
+    ("--no-kept-views", views_made_per_call,
+     "the views of a layer's cache made on every call, not kept per cache tensor (an A/B of "
+     "backends._common.TensorViews)"),
+)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
@@ -672,15 +686,8 @@ def main(argv=None) -> None:
     p.add_argument("--a-query-views", action="store_true",
                    help="part a: our step takes each call's (q_nope, q_pe) views made before it, as the peers' "
                         "direct steps take theirs, instead of slicing each call's [T, H, 576] query in the step")
-    p.add_argument("--dispatcher-calls", action="store_true",
-                   help="compiled code calls our ops through the dispatcher, as before they were called directly "
-                        "(an A/B of _library.define_op(direct=True); eager calls are the same either way)")
-    p.add_argument("--no-call-sites", action="store_true",
-                   help="compiled code calls each op's implementation directly, not its call site's own callable "
-                        "(an A/B of _library.define_op's call_site)")
-    p.add_argument("--no-kept-views", action="store_true",
-                   help="the views of a layer's cache made on every call, not kept per cache tensor (an A/B of "
-                        "backends._common.TensorViews)")
+    for flag, _, text in AB_SWITCHES:
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
@@ -691,12 +698,9 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"--d-modes: unknown {sorted(unknown)}; the modes are {', '.join(D_MODES)}")
     require_gpu("bench_modes.py")
-    if args.dispatcher_calls:
-        calls_through_the_dispatcher()
-    elif args.no_call_sites:
-        calls_without_sites()
-    if args.no_kept_views:
-        views_made_per_call()
+    for flag, switch, _ in AB_SWITCHES:
+        if getattr(args, flag.removeprefix("--").replace("-", "_")):
+            switch()
     deadline = Deadline(args.time_limit)
     env = environment(("flashinfer", "flash_mla", "vllm", "transformers"))
     progress(f"# {environment_line(env)}")
