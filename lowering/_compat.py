@@ -125,6 +125,8 @@ class _Namespace:
         if not name.startswith("site_") or not sites:
             raise AttributeError(name)
         overload, _, code = name[len("site_"):].rpartition("_")
+        if overload not in sites:
+            raise AttributeError(name)
         impl, call_site = sites[overload]
         site = call_site(call_site_facts(code)) or impl
         setattr(self, name, site)  # later lookups find it in the instance's __dict__
