@@ -132,7 +132,7 @@ def decode_calls(scale: float, views: bool = False):
     step's queries are ``query_views`` pairs made before it."""
 
     def step(qs, caches, block_table, seq_lens, kv_scale, sparse_indices=None, q_scale=None):
-        halves = qs if views else [(q[..., :D_CKV], q[..., D_CKV:]) for q in qs]
+        halves = qs if views else query_views(qs)
         return [torch.ops.mla.paged_decode(q_nope, q_pe, caches[i % len(caches)], block_table, seq_lens, scale,
                                            kv_scale, sparse_indices, q_scale)
                 for i, (q_nope, q_pe) in enumerate(halves)]

@@ -118,17 +118,17 @@ class _Namespace:
 
     At the op's level, ``site_<overload>_<code>`` is a call site's own callable (``_library.define_op``'s
     ``call_site``), made where it is first named: code Inductor loads from its cache in a new process names
-    sites this process never lowered; ``code`` holds their facts (``_library.call_site_name``)."""
+    sites this process never lowered; ``code`` holds their facts (``_library.call_site_name``). Where this
+    process has no ``call_site`` for the op (one that arranged its calls without them), a site is the op's
+    implementation, which computes the same."""
 
     def __getattr__(self, name: str):
-        sites = self.__dict__.get("_call_sites")
-        if not name.startswith("site_") or not sites:
+        overload, _, code = name.removeprefix("site_").rpartition("_")
+        impl = self.__dict__.get(overload) if name.startswith("site_") else None
+        if impl is None:
             raise AttributeError(name)
-        overload, _, code = name[len("site_"):].rpartition("_")
-        if overload not in sites:
-            raise AttributeError(name)
-        impl, call_site = sites[overload]
-        site = call_site(call_site_facts(code)) or impl
+        call_site = self.__dict__.get("_call_sites", {}).get(overload, (impl, None))[1]
+        site = (call_site(call_site_facts(code)) if call_site is not None else None) or impl
         setattr(self, name, site)  # later lookups find it in the instance's __dict__
         return site
 

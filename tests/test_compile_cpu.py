@@ -455,6 +455,28 @@ def test_call_site_names_hold_their_facts():
     assert call_site_facts(call_site_name(facts[:1] + (0.1,))) != facts[:1] + (0.1352337788608801,)
 
 
+def test_a_site_named_where_the_op_has_no_call_site_is_its_implementation():
+    """Code loaded from Inductor's cache may name a call site in a process that arranged the op's calls without
+    sites (``bench_modes --no-call-sites``): the name then gives the op's implementation (the same results), and
+    a name of no op's overload is an AttributeError."""
+    from mla_inductor._library import StaticTensor, call_site_name
+    from mla_inductor.lowering._compat import _Namespace
+
+    def impl(*args):
+        return args
+
+    facts = (StaticTensor(torch.float32, torch.device("cpu"), (2, 3)), 0.5)
+    ops = _Namespace()
+    ops.default = impl
+    assert getattr(ops, f"site_default_{call_site_name(facts)}") is impl
+    with pytest.raises(AttributeError):
+        getattr(ops, f"site_other_{call_site_name(facts)}")
+    with pytest.raises(AttributeError):
+        ops.anything_else
+    ops._call_sites = {"default": (impl, lambda got: (lambda *args: ("site", got)))}
+    assert getattr(ops, f"site_default_{call_site_name(facts[:1])}")() == ("site", facts[:1])
+
+
 def test_a_call_that_attends_nothing_by_its_static_sizes_gets_no_site():
     """``decode_op`` asks a backend's ``call_site`` only for calls that attend something: the op's implementation
     returns the contract's result for the others (``attends_nothing``)."""

@@ -332,8 +332,8 @@ def forget_plans() -> None:
 
 class TensorViews:
     """Views a kernel call takes of a long-lived tensor (a layer's cache: FlashInfer's latent and rope halves,
-    FlashMLA's head axis), made on the tensor's first call and returned again while it lives. A view op is about
-    a µs of host time, and a short compiled call's whole host work is a few of them: a layer's cache is the same
+    FlashMLA's head axis), made on the tensor's first call and returned again while it lives: a view op costs host
+    time on every call (``benchmarks/bench_host_overhead.py --stub`` shows it), and a layer's cache is the same
     tensor object every step, so its views are too.
 
     ``get(t, how, make)``: ``make(alias)`` returns the views (a tuple) of ``alias``, a ``detach()``ed alias of

@@ -476,6 +476,7 @@ def _define_wrapper_ops(fi_backend: str):
                    f"(out [T, H, L], lse [T, H] fp32, natural log).")
     run_out.__doc__ = (f"mla.paged_decode on FlashInfer's {fi_backend} MLA wrapper, after plan_{fi_backend}: "
                        f"out [T, H, L].")
+
     def run_site(with_lse: bool):
         def call_site(facts) -> _RunSite:
             q_nope, q_pe, kv_cache, block_table, _, softmax_scale, _, sparse_indices, _ = facts
