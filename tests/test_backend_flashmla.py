@@ -154,10 +154,14 @@ class RecordingSglModule(types.ModuleType):
         dense_fp8 = bool(is_fp8_kvcache) and indices is None
         if dense_fp8:
             assert tile_scheduler_metadata.tile_scheduler_metadata is not None, "dense fp8 needs metadata"
+        scheduled = tile_scheduler_metadata.tile_scheduler_metadata is not None
         self.calls.append(("flash_mla_with_kvcache", (q, k_cache, block_table, cache_seqlens, head_dim_v,
                                                       tile_scheduler_metadata),
                            dict(softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache,
-                                indices=indices, descale_q=descale_q, descale_k=descale_k)))
+                                indices=indices, descale_q=descale_q, descale_k=descale_k, scheduled=scheduled)))
+        if not scheduled:  # like the real call: the kernel makes the schedule and leaves it in the holder
+            tile_scheduler_metadata.tile_scheduler_metadata = torch.full((4, 8), 7, dtype=torch.int32)
+            tile_scheduler_metadata.num_splits = torch.zeros(q.shape[0] + 1, dtype=torch.int32)
         return _kernel_outputs(q, cache_seqlens, indices, zero_empty=not dense_fp8)
 
 
@@ -709,6 +713,12 @@ def _sgl_calls(sgl, name):
     return [c for c in sgl.calls if c[0] == name]
 
 
+def _sgl_schedules(sgl):
+    """Schedules the fake library made: by get_mla_decoding_metadata, or inside a kernel call given none."""
+    return [c for c in sgl.calls if c[0] == "get_mla_decoding_metadata"
+            or (c[0] == "flash_mla_with_kvcache" and not c[2]["scheduled"])]
+
+
 @pytest.mark.parametrize("Q", [1, 2])
 def test_sgl_dense_uses_legacy_kernels_and_hoisted_metadata(provider, Q):
     """The call that failed before ('pass use_legacy=True'): metadata from get_mla_decoding_metadata (no
@@ -749,11 +759,11 @@ def test_calls_without_a_plan_share_one_until_the_lengths_change(provider):
     out_only = BACKEND.eager_decode(None, args9, with_lse=False)(*args9)
     assert torch.equal(out_only, out)
     metas = [c[1][5] for c in _sgl_calls(sgl, "flash_mla_with_kvcache")]
-    assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 1 and len(metas) == 4
+    assert len(_sgl_schedules(sgl)) == 1 and len(metas) == 4
     assert all(m.tile_scheduler_metadata is metas[0].tile_scheduler_metadata for m in metas)
     x.seq_lens.add_(0)  # a write through torch
     BACKEND.decode(*x.args())
-    assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 2
+    assert len(_sgl_schedules(sgl)) == 2
 
 
 def test_compiled_ops_given_no_plan_keep_none(provider):
@@ -767,8 +777,24 @@ def test_compiled_ops_given_no_plan_keep_none(provider):
     hits = fm.PLANS.hits
     for op in (torch.ops.mla_flashmla.decode, torch.ops.mla_flashmla.decode, torch.ops.mla_flashmla.decode_out):
         op(*x.args(), [])
-    assert len(_sgl_calls(sgl, "get_mla_decoding_metadata")) == 3
+    assert len(_sgl_schedules(sgl)) == 3
     assert fm.PLANS.hits == hits and not fm.PLANS._entries
+
+
+def test_dense_call_planning_for_itself_is_one_library_call(provider, monkeypatch):
+    """A graph holding one dense decode call (mla_flashmla::decode_out given no plan): one library call, whose
+    kernel makes its own schedule, and no row counts (nothing reads them: the kernel zeroes rows that see
+    nothing). The same output as a call on a plan made first."""
+    sgl = RecordingSglModule()
+    provider(sgl, name=fm.SGL_MODULE)
+    x = make_decode_inputs(SEQ_LENS, num_heads=3)
+    planned = torch.ops.mla_flashmla.decode_out(*x.args(), torch.ops.mla_flashmla.plan(*x.args()))
+    sgl.calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(fm, "row_counts", lambda *a: pytest.fail("row counts made for a call that discards them"))
+        out = torch.ops.mla_flashmla.decode_out(*x.args(), [])
+    assert [c[0] for c in sgl.calls] == ["flash_mla_with_kvcache"] and not sgl.calls[0][2]["scheduled"]
+    assert torch.equal(out, planned)
 
 
 @pytest.mark.parametrize("static_scale", [False, True], ids=["measured-scale", "static-q_scale"])

@@ -196,6 +196,19 @@ class SglFlashMLA(Provider):
 
     modes = frozenset(MODES)
 
+    def attend(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+               q_descale=None, k_descale=None):
+        """As ``Provider.attend``; a dense bf16/fp16 call given no schedule hands the kernel call an empty
+        ``FlashMLASchedMeta``, which the legacy dense kernel fills on the stream (the library's own default):
+        one library call instead of two, the host time of a graph holding one decode call. The other modes
+        schedule first (dense fp8 must; the sparse kernel's schedule counts K keys per sequence, ``metadata``)."""
+        if md is None and mode != "dense":
+            md, splits = self.metadata(mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices)
+        meta = self.sched_meta()
+        out, lse = self._call(mode, meta, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md,
+                              splits, q_descale, k_descale)
+        return out, lse, meta.tile_scheduler_metadata, meta.num_splits
+
     def metadata(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices):
         B, Q, H, _ = q.shape
         if mode in SPARSE_KERNEL_MODES:
@@ -206,9 +219,10 @@ class SglFlashMLA(Provider):
                                                                use_legacy=True)
         return md, splits
 
-    def run_kernel(self, mode, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
-                   q_descale, k_descale):
-        meta = self.sched_meta()
+    def _call(self, mode, meta, q, kcache, block_table, seq_lens, softmax_scale, causal, indices, md, splits,
+              q_descale, k_descale):
+        """``flash_mla_with_kvcache`` on ``meta`` holding ``md``/``splits`` (None: the call makes them and leaves
+        them in ``meta``) -> (out, lse)."""
         meta.tile_scheduler_metadata, meta.num_splits = md, splits
         kwargs = dict(softmax_scale=softmax_scale, causal=causal, use_legacy=True)
         if mode in SPARSE_KERNEL_MODES:
@@ -538,13 +552,15 @@ def plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv
 
 def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                 sparse_indices, plan, out_dtype: torch.dtype, need_lse: bool = True,
-                mode: Optional[str] = None) -> tuple[Tensor, Optional[Tensor], list[Tensor]]:
+                mode: Optional[str] = None, keep_plan: bool = True) -> tuple[Tensor, Optional[Tensor], list[Tensor]]:
     """FlashMLA decode of one layer on the kernel's query ``q [B, Q, H, 576]`` (e4m3 with ``q_descale`` for
     dense_fp8): (out [T, H, 512] in ``out_dtype``, lse [T, H] fp32 natural log, the plan it ran with).
     With ``plan == []`` the call schedules itself and returns that schedule as a plan, which later layers
     over the same block_table / seq_lens can reuse. ``need_lse=False``: lse is None and no epilogue runs
     where the kernel already zeroes the rows that see nothing (dense bf16/fp16, sparse, dense_ds): out is
-    then FlashMLA's own output, viewed. ``mode``: the call's (``_mode_of``), where the caller knows it."""
+    then FlashMLA's own output, viewed. ``mode``: the call's (``_mode_of``), where the caller knows it.
+    ``keep_plan=False``: the caller discards the plan (a call planning for itself alone): the row counts are
+    then made only where the epilogue reads them, and the plan returned is ``[]``."""
     mode = mode or _mode_of(kv_cache, sparse_indices)
     provider = _provider(mode)
     B, Q, H, _ = q.shape
@@ -553,7 +569,8 @@ def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, s
         md, splits, counts, tensors = plan[0], plan[1], plan[2], plan[3:]
     else:
         md = splits = None
-        counts = row_counts(kv_cache, seq_lens, T, sparse_indices)
+        # A kernel launch: made here only for a plan that is kept or an epilogue that reads it (below).
+        counts = row_counts(kv_cache, seq_lens, T, sparse_indices) if keep_plan else None
         tensors = kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices, T)
     table, lens, indices = _unpack(mode, block_table, seq_lens, sparse_indices, tensors, B, Q)
     out, lse, md, splits = provider.attend(mode, q, kv_cache.unsqueeze(2), table, lens, softmax_scale,
@@ -562,10 +579,12 @@ def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, s
     out = out.reshape(T, H, HEAD_DIM_V)
     if out.dtype != out_dtype:
         out = out.to(out_dtype)
-    plan = plan or [md, splits, counts] + tensors
+    plan = plan or ([md, splits, counts] + tensors if keep_plan else [])
     zero_out = not KERNEL_ZEROES_EMPTY_ROWS[mode]
     if not need_lse and not zero_out:
         return out, None, plan
+    if counts is None:
+        counts = row_counts(kv_cache, seq_lens, T, sparse_indices)
     # lse [B, H, Q] -> [T, H] with -inf for empty rows (and out 0 there where the kernel leaves garbage).
     lse_out = torch.empty((T, H), dtype=torch.float32, device=lse.device) if need_lse else None
     if out.is_cuda and out.is_contiguous():  # one launch
@@ -582,17 +601,18 @@ def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, s
 
 
 def decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                    plan, need_lse: bool = True, q_scale: Optional[Tensor] = None, mode: Optional[str] = None):
+                    plan, need_lse: bool = True, q_scale: Optional[Tensor] = None, mode: Optional[str] = None,
+                    keep_plan: bool = True):
     """``attend_rows`` on the contract's query: q_nope | q_pe as FlashMLA's q (a view where they are slices
     of one row), quantized to e4m3 on the device for dense_fp8 (with ``q_scale`` when given, else its
-    measured amax). ``mode``: the call's (``_mode_of``), where the caller knows it."""
+    measured amax). ``mode`` / ``keep_plan``: as ``attend_rows``'s."""
     q = _kernel_query(q_nope, q_pe, block_table.shape[0])
     q_descale = None
     mode = mode or _mode_of(kv_cache, sparse_indices)
     if mode == "dense_fp8":
         q, q_descale = quantize_query_fp8(q, q_scale)
     return attend_rows(q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan,
-                       q_nope.dtype, need_lse, mode)
+                       q_nope.dtype, need_lse, mode, keep_plan)
 
 
 # The last plan made by an eager call, reused by the next eager calls
@@ -629,7 +649,7 @@ def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_
     call given no plan plans inline and keeps nothing: under CUDA graphs (cudagraph trees) a plan stored past
     the call would be memory of the graph's pool that no output accounts for."""
     return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                           plan)[:2]
+                           plan, keep_plan=False)[:2]
 
 
 def decode_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
@@ -642,7 +662,7 @@ def decode_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softma
     B = block_table.shape[0]
     kernel_q = q.reshape(B, q.shape[0] // B, q.shape[1], HEAD_DIM)
     return attend_rows(kernel_q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
-                       plan, out_dtype)[:2]
+                       plan, out_dtype, keep_plan=False)[:2]
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -704,7 +724,7 @@ def _decode_out(*args) -> Tensor:
     if plan and mode == "dense":
         return _attend_dense(_provider(mode), q_nope, q_pe, kv_cache, block_table.shape[0], seq_lens,
                              softmax_scale, plan)
-    return decode_and_plan(*args, need_lse=False, mode=mode)[0]
+    return decode_and_plan(*args, need_lse=False, mode=mode, keep_plan=False)[0]
 
 
 _HEAD_AXIS = "head axis"
