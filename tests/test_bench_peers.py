@@ -162,8 +162,8 @@ def test_bench_modes_part_d_steps_the_hf_model_on_cpu(mode):
     args = argparse.Namespace(small=True, layers=2, intermediate=64, vocab=256)
     model = bench_e2e.build_model(args, torch.device("cpu"), torch.float32)
     result = bench_modes.hf_step_ms(model, hf, bench_e2e, "bf16", 2, mode, context=16, warmup=1, iters=2,
-                                    device="cpu", profile=mode == "per_layer")
-    assert result["ms"] > 0, result
+                                    device="cpu", profile=mode == "per_layer", rounds=2)
+    assert result["ms"] > 0 and 0 < result["host_ms"] <= result["ms"] * 1.01, result
     assert all("forward" not in vars(layer) for layer in model.model.layers)
 
 
