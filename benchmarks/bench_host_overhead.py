@@ -412,8 +412,9 @@ class _StubFlashInferModule:
 
 
 class _StubFlashInferWrapper:
-    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` without FlashInfer: ``plan`` keeps nothing, ``run``
-    hands the call's tensors and planned state to the compiled module as FlashInfer 0.6 does."""
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` without FlashInfer: ``plan`` keeps a fresh plan info
+    and the call's configuration, ``run`` hands the call's tensors and planned state to the compiled module as
+    FlashInfer 0.6 does."""
 
     def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
                  kv_indices=None, kv_len_arr=None, backend="auto"):
@@ -424,12 +425,13 @@ class _StubFlashInferWrapper:
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
              causal, sm_scale, q_data_type, kv_data_type, *args, **kwargs):
         self._planned = (num_heads, page_size, causal, sm_scale)
+        self._plan_info = [num_heads, page_size]  # a new object per plan, as FlashInfer's
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
             return_lse_base_on_e=False, **kwargs):
         num_heads, page_size, causal, sm_scale = self._planned
-        self._cached_module.run(self._float_workspace_buffer, self._float_workspace_buffer, None, q_nope, q_pe,
-                                ckv_cache, kpe_cache, self._kv_indices, out, lse, int(causal), num_heads,
+        self._cached_module.run(self._float_workspace_buffer, self._float_workspace_buffer, self._plan_info, q_nope,
+                                q_pe, ckv_cache, kpe_cache, self._kv_indices, out, lse, int(causal), num_heads,
                                 page_size, sm_scale, return_lse_base_on_e)
         return (out, lse) if return_lse else out
 

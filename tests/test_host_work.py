@@ -456,6 +456,25 @@ def test_flashinfer_direct_run_repeats_the_module_call_with_the_new_tensors():
     assert all(a is t for a, t in zip(args[:6], later)) and args[6] is workspace and args[7] == 1.0
 
 
+def test_flashinfer_direct_run_follows_a_new_plan_while_the_module_stays():
+    """After plan(): the recorded call takes the wrapper's new plan info in place of the old one (no second
+    recording through wrapper.run()); a plan that replaced the module, or a recording without the plan info
+    among its arguments, is not followed."""
+    from mla_inductor.backends._flashinfer_common import _DirectRun
+
+    wrapper = _FakeWrapper(lambda tensors: wrapper._plan_info)
+    wrapper._plan_info = ["plan 1"]
+    direct = _DirectRun.record(wrapper, _call_tensors(), {})
+    wrapper._plan_info = ["plan 2"]  # what plan() does
+    assert direct.follow_plan(wrapper)
+    direct(*_call_tensors())
+    assert wrapper._cached_module.calls[-1][6] is wrapper._plan_info
+    wrapper._cached_module = _FakeModule()  # a plan that loaded another module
+    assert not direct.follow_plan(wrapper)
+    unplanned = _FakeWrapper(lambda tensors: torch.zeros(1))
+    assert not _DirectRun.record(unplanned, _call_tensors(), {}).follow_plan(unplanned)
+
+
 def test_flashinfer_direct_run_is_refused_where_another_argument_is_made_from_the_call():
     from mla_inductor.backends._flashinfer_common import _DirectRun
 

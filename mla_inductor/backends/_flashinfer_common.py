@@ -221,15 +221,19 @@ class _DirectRun:
     heads, dims) and by how ``wrapper_run`` calls it (outputs it allocates itself, scales 1.0), so the checks
     need to run once per plan: the first run after each plan goes through ``wrapper.run()`` with the module's
     ``run`` call recorded (``record``), and later runs repeat that call with their own q, cache views, out and
-    lse in place. The list is rebuilt after every plan (``wrapper_plan`` drops it), since plan() replaces the
-    plan info and may replace the module. Where the recording does not show each per-call tensor exactly once
-    (a FlashInfer passing them differently), every run goes through ``wrapper.run()``.
+    lse in place. plan() replaces the plan info and may replace the module: after a plan that kept the module,
+    the new plan info takes the old one's place in the list (``follow_plan``: the wrappers are made with
+    ``use_cuda_graph=True``, so every other planned argument is the same buffer, and page size, scale and
+    mask are fixed by the configuration); otherwise the next run records anew. Where the recording does not
+    show each per-call tensor exactly once (a FlashInfer passing them differently), every run goes through
+    ``wrapper.run()``.
     """
 
-    __slots__ = ("run", "template", "positions")
+    __slots__ = ("run", "module", "template", "positions", "plan_slot")
 
-    def __init__(self, run, template: list, positions: list[int]):
-        self.run, self.template, self.positions = run, template, positions
+    def __init__(self, run, module, template: list, positions: list[int], plan_slot: Optional[int]):
+        self.run, self.module, self.template, self.positions = run, module, template, positions
+        self.plan_slot = plan_slot
 
     @staticmethod
     def record(wrapper, tensors: tuple, kwargs: dict):
@@ -260,13 +264,27 @@ class _DirectRun:
         template = list(recorder.args)
         for (i,) in positions:
             template[i] = None  # the per-call tensors are not kept alive
-        return _DirectRun(module.run, template, [p[0] for p in positions])
+        plan_info = getattr(wrapper, "_plan_info", _NOT_PLANNED)
+        plan_slots = [i for i, a in enumerate(recorder.args) if a is plan_info]
+        return _DirectRun(module.run, module, template, [p[0] for p in positions],
+                          plan_slots[0] if len(plan_slots) == 1 else None)
+
+    def follow_plan(self, wrapper) -> bool:
+        """After ``wrapper.plan()``: put its new plan info in the old one's place and return True, or return
+        False where that cannot be done (the module replaced, the plan info not found when recording)."""
+        if self.plan_slot is None or getattr(wrapper, "_cached_module", None) is not self.module:
+            return False
+        self.template[self.plan_slot] = wrapper._plan_info
+        return True
 
     def __call__(self, *tensors) -> None:
         args = self.template.copy()
         for i, t in zip(self.positions, tensors):
             args[i] = t
         self.run(*args)
+
+
+_NOT_PLANNED = object()  # a wrapper without plan info: no argument is it
 
 
 def _pinned(t: Tensor) -> Tensor:
@@ -355,7 +373,9 @@ def make_plan(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_
         key.rope_dim, key.page_size, key.causal, key.sm_scale, key.q_dtype, key.kv_dtype)
     entry.plan_uploaded()
     entry.rows_may_be_empty = empty_rows
-    entry.direct_run = None  # recorded again by the next run (plan() replaced the plan info)
+    direct_run = entry.direct_run
+    if not (direct_run and direct_run.follow_plan(entry.wrapper)):
+        entry.direct_run = None  # recorded again by the next run
     PLANS.put(key, block_table, seq_lens, sparse_indices, counts)
     return counts
 
