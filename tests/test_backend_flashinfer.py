@@ -189,7 +189,9 @@ class FakeWrapper:
         self.cfg = dict(num_heads=num_heads, page_size=page_size, causal=causal, sm_scale=sm_scale,
                         dims=(head_dim_ckv, head_dim_kpe), dtypes=(q_data_type, kv_data_type))
         self.plans.append(self.cfg)
-        self._cached_module = FakeModule(self)
+        module_key = self.cfg["dims"] + self.cfg["dtypes"]  # FlashInfer's module: one per configuration, cached
+        if getattr(self, "_module_key", None) != module_key:
+            self._cached_module, self._module_key = FakeModule(self), module_key
         self._plan_info = [len(self.plans)]  # a new object per plan, as FlashInfer's
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
@@ -342,10 +344,11 @@ def test_one_plan_until_the_lengths_or_pages_change(fake_flashinfer):
     assert len(w.plans) == 3
 
 
-def test_wrapper_run_python_runs_once_per_plan(fake_flashinfer):
-    """wrapper.run() (its checks against the plan) runs for the first call after each plan; the later calls
-    of that plan repeat its module call with their own q, cache and outputs, and match the reference. A new
-    plan is checked again (the module refuses a call repeated with the previous plan's info)."""
+def test_wrapper_run_python_runs_once_per_wrapper_and_module(fake_flashinfer, monkeypatch):
+    """wrapper.run() (its checks against the plan) runs for the first call; the later calls repeat its module
+    call with their own q, cache and outputs, and match the reference. A new plan's info takes the old one's
+    place in the repeated call (the module refuses a call repeated with the previous plan's info, and the
+    results follow the new lengths); a plan that loads another module is checked through run() again."""
     x = make_decode_inputs([5, 70, 130], num_heads=4, seed=0)
     for seed in range(3):  # each call its own query and cache, one plan
         y = make_decode_inputs([5, 70, 130], num_heads=4, seed=seed + 10)
@@ -356,7 +359,12 @@ def test_wrapper_run_python_runs_once_per_plan(fake_flashinfer):
     x.seq_lens.copy_(torch.tensor([6, 71, 1], dtype=torch.int32))
     for _ in range(2):
         _check("flashinfer_fa3", x)
-    assert len(w.plans) == 2 and w.runs == 2
+    assert len(w.plans) == 2 and w.runs == 1
+    monkeypatch.setattr(w, "_module_key", None)  # the next plan loads another module
+    x.seq_lens.copy_(torch.tensor([7, 1, 0], dtype=torch.int32))
+    for _ in range(2):
+        _check("flashinfer_fa3", x)
+    assert len(w.plans) == 3 and w.runs == 2
 
 
 def test_wrapper_run_that_cannot_be_repeated_runs_every_time(fake_flashinfer, monkeypatch):
