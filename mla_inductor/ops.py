@@ -15,9 +15,12 @@ definition (the reference computes with q as given); see ``contract`` for when t
 
 from __future__ import annotations
 
+import operator
+from typing import Callable, NamedTuple, Optional
+
 import torch
 
-from mla_inductor._compat import argument_errors_reach_the_user, current_cuda_device
+from mla_inductor._compat import argument_errors_reach_the_user, current_cuda_device, tensor_properties_check
 from mla_inductor._library import define_op
 from mla_inductor._memo import Memo
 from mla_inductor.contract import (
@@ -76,6 +79,44 @@ def _new_eager_call(op: str, args: tuple, with_lse: bool, captured: bool) -> _Ea
     return _EagerCall(problem, nothing, run, q_nope.get_device() if q_nope.is_cuda else -1)
 
 
+class _Repeat(NamedTuple):
+    """The last eager call of an op, for the next call with the same signature (consecutive calls nearly always
+    have one: the layers of a step): its selection state, capture state, softmax_scale, which optional tensors
+    were None, a check of its tensors' properties (``_compat.tensor_properties_check``: what ``call_signature``
+    holds of them, without building and hashing it) and the ``_EagerCall`` the signature decided."""
+
+    memo: dict  # the _EAGER_CALLS it was decided in (a fresh memo starts over)
+    state: tuple
+    captured: bool
+    scale: object
+    nones: tuple
+    tensors: Callable  # args -> the tensors checked
+    same_tensors: Callable[..., bool]
+    call: _EagerCall
+
+    def repeats(self, args: tuple, state: tuple, captured: bool) -> bool:
+        scale = args[5]
+        try:
+            return (self.memo is _EAGER_CALLS and state == self.state and captured == self.captured
+                    and type(scale) is type(self.scale) and scale == self.scale
+                    and (args[6] is None, args[7] is None, args[8] is None) == self.nones
+                    and self.same_tensors(*self.tensors(args)))
+        except TypeError:  # not a tensor where one was: the full path names the argument
+            return False
+
+
+_REPEATS: dict[str, _Repeat] = {}
+
+
+def _repeat(args: tuple, state: tuple, captured: bool, call: _EagerCall) -> Optional[_Repeat]:
+    tensors = operator.itemgetter(*(i for i, a in enumerate(args) if i != 5 and a is not None))
+    same_tensors = tensor_properties_check(tensors(args))
+    if same_tensors is None:
+        return None
+    return _Repeat(_EAGER_CALLS, state, captured, args[5], (args[6] is None, args[7] is None, args[8] is None),
+                   tensors, same_tensors, call)
+
+
 def _decode(op: str, with_lse: bool, args: tuple):
     """An eager decode call: ``args`` as the dispatcher hands them (a defaulted tail may be left out)."""
     if len(args) < _ARITY:
@@ -83,13 +124,23 @@ def _decode(op: str, with_lse: bool, args: tuple):
     q_nope = args[0]
     try:
         captured = being_captured(q_nope)
-        key = (op, selection_state(), call_signature(*args), captured)
+        state = selection_state()
+        last = _REPEATS.get(op)
+        if last is not None and last.repeats(args, state, captured):
+            call = last.call
+        else:
+            call = None
+            key = (op, state, call_signature(*args), captured)
     except AttributeError:  # not through the dispatcher: the checks name the argument of the wrong type
         check_decode_args(*args, op=op)
         raise
-    call = _EAGER_CALLS.get(key)
     if call is None:
-        call = _EAGER_CALLS.put(key, _new_eager_call(op, args, with_lse, captured))
+        call = _EAGER_CALLS.get(key)
+        if call is None:
+            call = _EAGER_CALLS.put(key, _new_eager_call(op, args, with_lse, captured))
+        repeat = _repeat(args, state, captured, call)
+        if repeat is not None:
+            _REPEATS[op] = repeat
     if wants_value_checks(q_nope):
         q_nope, _, kv_cache, block_table, seq_lens, _, kv_scale, sparse_indices, q_scale = args
         check = assert_decode_values_on_device if captured else check_decode_values

@@ -548,6 +548,65 @@ def test_eager_calls_see_each_change_of_the_preference_env_var_and_context(monke
         unregister_backend("recording_test")
 
 
+def test_an_eager_call_like_the_last_one_skips_its_signature_and_any_difference_is_seen(monkeypatch):
+    """A call whose tensors, softmax_scale, optional arguments and selection state are those of the op's last
+    call reuses its decision without building the call signature; a difference in any of them (a stride, a
+    dtype, a shape, the scale's value or type, a tensor left out, the preference) takes the
+    full path, so bad arguments after good ones still raise, naming the argument."""
+    from mla_inductor import ops
+
+    signatures = []
+    full = ops.call_signature
+    monkeypatch.setattr(ops, "call_signature", lambda *a: signatures.append(1) or full(*a))
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
+    args = _small_args()
+    want = mla_inductor.paged_decode_reference(*args)[0]
+    for _ in range(3):
+        assert torch.allclose(torch.ops.mla.paged_decode(*args), want)
+    assert len(signatures) == 1
+    q_nope, q_pe, kv_cache, block_table, seq_lens, scale, kv_scale, _ = args
+    wide = torch.cat([block_table, block_table[:, :1]], 1)
+    changed = [
+        (q_nope.transpose(0, 1).contiguous().transpose(0, 1), 0),  # the same values, other strides
+        (wide, 3), (float(scale) * 2, 5), (1, 5),
+    ]
+    for value, position in changed:
+        call = list(args)
+        call[position] = value
+        before = len(signatures)
+        torch.ops.mla.paged_decode(*call)
+        assert len(signatures) == before + 1, position
+    torch.ops.mla.paged_decode(*args)  # back to the first signature: not the last call's, so the full path
+    assert torch.allclose(torch.ops.mla.paged_decode(*args), want)
+    with mla_inductor.prefer_backends("reference"):
+        before = len(signatures)
+        torch.ops.mla.paged_decode(*args)
+        assert len(signatures) == before + 1
+    for value, position, name in ((block_table.long(), 3, "block_table"), (kv_cache.double(), 2, "kv_cache"),
+                                  (None, 6, "kv_scale")):
+        torch.ops.mla.paged_decode(*args)
+        bad = list(args)
+        bad[position] = value
+        with pytest.raises((TypeError, ValueError), match=name):
+            torch.ops.mla.paged_decode(*bad)
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())  # a fresh memo: decided again
+    before = len(signatures)
+    torch.ops.mla.paged_decode(*args)
+    assert len(signatures) == before + 1
+
+
+def test_eager_calls_without_torchs_tensor_check_take_the_full_path(monkeypatch):
+    from mla_inductor import ops
+
+    monkeypatch.setattr(ops, "tensor_properties_check", lambda tensors: None)
+    monkeypatch.setattr(ops, "_REPEATS", {})
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
+    args = _small_args()
+    for _ in range(2):
+        assert torch.allclose(torch.ops.mla.paged_decode(*args), mla_inductor.paged_decode_reference(*args)[0])
+    assert ops._REPEATS == {}
+
+
 def test_an_eager_call_made_during_a_capture_is_selected_as_a_captured_one(monkeypatch):
     """The eager path keys its per-signature choice on whether the call is being captured in a CUDA graph, and
     asks the selection for a captured call then (its replays skip the host work a plan on the host needs)."""
