@@ -1,7 +1,7 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--a-query-views] [--dispatcher-calls] [--no-call-sites] [--no-kept-views] [--out DIR]
+        [--a-query-views] [--dispatcher-calls] [--no-call-sites] [--no-kept-views] [--no-eager-repeat] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -63,6 +63,7 @@ directly (``_library.define_op(direct=True)``): the same cases with and without 
 ``--no-call-sites``: compiled code calls our ops directly, but each call through the op's implementation instead of
 its call site's own callable (``define_op``'s ``call_site``): the A/B of call sites. ``--no-kept-views``: the views a
 kernel takes of a layer's cache are made on every call instead of kept per cache tensor (``TensorViews``).
+``--no-eager-repeat``: every eager call builds its call signature, also one like the op's last call (``ops._Repeat``).
 """
 
 from __future__ import annotations
@@ -664,6 +665,14 @@ def views_made_per_call() -> None:
     TensorViews.get = lambda self, t, how, make: make(t)
 
 
+def signature_every_eager_call() -> None:
+    """Build every eager call's signature, as before a call like the op's last one skipped it (the A/B of
+    ``ops._Repeat``)."""
+    from mla_inductor import ops
+
+    ops.tensor_properties_check = lambda tensors: None
+
+
 # The A/B switches: flag, what it does to this process before anything compiles, its help.
 AB_SWITCHES = (
     ("--dispatcher-calls", calls_through_the_dispatcher,
@@ -675,6 +684,8 @@ AB_SWITCHES = (
     ("--no-kept-views", views_made_per_call,
      "the views of a layer's cache made on every call, not kept per cache tensor (an A/B of "
      "backends._common.TensorViews)"),
+    ("--no-eager-repeat", signature_every_eager_call,
+     "every eager call builds its call signature, also one like the op's last call (an A/B of ops._Repeat)"),
 )
 
 

@@ -597,6 +597,28 @@ def test_bench_modes_no_kept_views_makes_views_on_every_call():
     assert run.stdout.split() == ["True", "False", "True"], run.stdout
 
 
+def test_bench_modes_no_eager_repeat_builds_every_calls_signature(monkeypatch):
+    """``bench_modes --no-eager-repeat`` (the A/B of an eager call repeating the op's last decision): every call
+    builds its signature."""
+    from benchmark_modules import load_benchmark
+
+    from mla_inductor import ops
+    from mla_inductor._memo import Memo
+
+    signatures = []
+    full = ops.call_signature
+    monkeypatch.setattr(ops, "call_signature", lambda *a: signatures.append(1) or full(*a))
+    monkeypatch.setattr(ops, "tensor_properties_check", ops.tensor_properties_check)  # restored afterwards
+    monkeypatch.setattr(ops, "_REPEATS", {})
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
+    x = make_decode_inputs(seq_lens=[5, 9], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4,
+                           q_dtype=torch.float32, fmt="fp32")
+    load_benchmark("bench_modes").signature_every_eager_call()
+    for _ in range(3):
+        torch.ops.mla.paged_decode(*x.args())
+    assert len(signatures) == 3
+
+
 def test_cpp_wrapper_compiles_our_ops_and_the_record():
     """Inductor's C++ wrapper (``cpp_wrapper``, AOTInductor's codegen) compiles a graph of our ops: the pass's
     record is written as a C++ string literal (base64, no quotes to escape), and the backend's op goes through
