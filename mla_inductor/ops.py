@@ -52,9 +52,10 @@ Tensor = torch.Tensor
 # the argument checks read), selection state (user preference, FP8-query opt-in, registered backends) and
 # whether the call is being captured in a CUDA graph what can be decided once: the checks that need no data, the
 # DecodeProblem, whether the call attends anything, and the backend's bound run function. A call then costs a
-# key, a dict lookup and the run; the checks that read data (CPU always, GPUs in debug mode) still run on every
-# call. A call made while the user captures a CUDA graph is selected as a captured one-call graph's would be:
-# replays repeat it without its host work, so it needs a backend that plans on the device or needs no plan.
+# key, a dict lookup and the run, or, like the op's last call, a check of its tensors and the run (_Repeat); the
+# checks that read data (CPU always, GPUs in debug mode) still run on every call. A call made while the user
+# captures a CUDA graph is selected as a captured one-call graph's would be: replays repeat it without its host
+# work, so it needs a backend that plans on the device or needs no plan.
 _EAGER_CALLS: Memo = Memo()
 _ARITY = len(OP_ARG_NAMES)
 
