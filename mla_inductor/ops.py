@@ -61,13 +61,14 @@ _ARITY = len(OP_ARG_NAMES)
 
 
 class _EagerCall:
-    __slots__ = ("problem", "attends_nothing", "run", "cuda_index")
+    __slots__ = ("problem", "attends_nothing", "run", "cuda_index", "repeat")
 
     def __init__(self, problem: DecodeProblem, attends_nothing: bool, run, cuda_index: int):
         self.problem = problem
         self.attends_nothing = attends_nothing
         self.run = run  # the contract's nine arguments -> (out, lse), or out alone for mla.paged_decode
         self.cuda_index = cuda_index  # the tensors' CUDA device, -1 elsewhere
+        self.repeat: Optional[_Repeat] = None  # made once per signature, for the calls after one of its calls
 
 
 def _new_eager_call(op: str, args: tuple, with_lse: bool, captured: bool) -> _EagerCall:
@@ -139,9 +140,9 @@ def _decode(op: str, with_lse: bool, args: tuple):
         call = _EAGER_CALLS.get(key)
         if call is None:
             call = _EAGER_CALLS.put(key, _new_eager_call(op, args, with_lse, captured))
-        repeat = _repeat(args, state, captured, call)
-        if repeat is not None:
-            _REPEATS[op] = repeat
+            call.repeat = _repeat(args, state, captured, call)
+        if call.repeat is not None:
+            _REPEATS[op] = call.repeat
     if wants_value_checks(q_nope):
         q_nope, _, kv_cache, block_table, seq_lens, _, kv_scale, sparse_indices, q_scale = args
         check = assert_decode_values_on_device if captured else check_decode_values

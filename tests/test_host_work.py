@@ -593,6 +593,17 @@ def test_an_eager_call_like_the_last_one_skips_its_signature_and_any_difference_
     before = len(signatures)
     torch.ops.mla.paged_decode(*args)
     assert len(signatures) == before + 1
+    # Two signatures in turn: each call takes the full path, and each signature's check is made once.
+    checks = []
+    make_check = ops.tensor_properties_check
+    monkeypatch.setattr(ops, "tensor_properties_check", lambda tensors: checks.append(1) or make_check(tensors))
+    monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
+    other = list(args)
+    other[3] = wide
+    for _ in range(3):
+        torch.ops.mla.paged_decode(*args)
+        torch.ops.mla.paged_decode(*other)
+    assert len(checks) == 2
 
 
 def test_eager_calls_without_torchs_tensor_check_take_the_full_path(monkeypatch):
