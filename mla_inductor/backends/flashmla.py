@@ -573,7 +573,8 @@ def attend_rows(q: Tensor, q_descale: Optional[Tensor], kv_cache, block_table, s
         counts = row_counts(kv_cache, seq_lens, T, sparse_indices) if keep_plan else None
         tensors = kernel_tensors(mode, kv_cache, block_table, seq_lens, sparse_indices, T)
     table, lens, indices = _unpack(mode, block_table, seq_lens, sparse_indices, tensors, B, Q)
-    out, lse, md, splits = provider.attend(mode, q, kv_cache.unsqueeze(2), table, lens, softmax_scale,
+    (kcache,) = VIEWS.get(kv_cache, _HEAD_AXIS, _with_head_axis)
+    out, lse, md, splits = provider.attend(mode, q, kcache, table, lens, softmax_scale,
                                            _causal(mode, q), indices, md, splits, q_descale,
                                            kv_scale if mode == "dense_fp8" else None)
     out = out.reshape(T, H, HEAD_DIM_V)
