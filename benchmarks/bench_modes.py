@@ -52,7 +52,7 @@ longer than its kernel), the events span the host's launch time, less the flush'
 Part d: mean wall time of 20 steps after warm-up with a device sync around them, the fastest of ``--d-rounds``
 (default 3) such timings of the same compiled step; beside it, the host's own ms per step in that round (the time
 to issue a step: where it nears the step's ms the step is host-bound, and a hiccup of the host doubles a round's
-mean, as seen for the per-layer steps on the H100's host). A peer's µs per call here and
+mean, as the per-layer steps with CUDA graphs at B=1 can be). A peer's µs per call here and
 bench_host_overhead's (host wall with a sync per step) time the same ``direct_step``. Our op's results in parts
 a-c are checked against the fp32 reference (relative error printed); the peers' outputs and part d's steps are
 timed, not checked. Peers are found by import; one not installed is reported and skipped.

@@ -97,9 +97,9 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
 
 def tensor_properties_check(tensors: Sequence[torch.Tensor]) -> Optional[Callable[..., bool]]:
     """A function telling whether the tensors it is given have the dtypes, devices, sizes, strides, dispatch
-    keys and requires_grad of ``tensors``, in order: Dynamo's C++ ``TensorGuards`` (private), about 0.8 µs for
-    six tensors where building and hashing a tuple of those properties costs about 3.5 µs (this CPU). It keeps
-    no reference to the tensors. None where this torch has no such guard."""
+    keys and requires_grad of ``tensors``, in order: Dynamo's C++ ``TensorGuards`` (private), one C call where
+    building and hashing a tuple of those properties takes dozens of Python attribute reads. It keeps no
+    reference to the tensors. None where this torch has no such guard."""
     try:
         guards = torch._C._dynamo.guards.TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except (AttributeError, TypeError, RuntimeError):
