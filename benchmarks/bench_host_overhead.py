@@ -54,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import gc
-import pstats
 import statistics
 import sys
 import time
@@ -65,7 +63,7 @@ from unittest import mock
 
 import torch
 from report import (add_out_argument, decode_calls, environment, environment_line, lowered_afresh, mark_new_step,
-                    markdown_table, parse_cases, progress, relative_error, write_results)
+                    markdown_table, parse_cases, profile_of, progress, relative_error, write_results)
 
 import mla_inductor
 from mla_inductor import contract
@@ -197,39 +195,6 @@ def us_per_call(run: Callable[[], object], calls: int, steps: int, before: Calla
     finally:
         gc.enable()
     return statistics.median(times) * 1e6 / calls
-
-
-def _where(file: str, line: int, name: str) -> str:
-    """A profile entry's function, its file named from the package or library it belongs to."""
-    if file == "~":
-        return name  # a built-in
-    parts = file.replace("\\", "/").split("/")
-    for root in ("mla_inductor", "torch", "triton", "flashinfer", "flash_mla", "vllm", "benchmarks"):
-        if root in parts:
-            parts = parts[len(parts) - parts[::-1].index(root) - 1:]
-            break
-    else:
-        parts = parts[-1:]
-    return f"{'/'.join(parts)}:{line}({name})"
-
-
-def profile_of(run: Callable[[], object], before: Callable[[], None], steps: int, calls: int, top: int = 18) -> str:
-    """The top functions of a cProfile over ``steps`` steps, by own time, as µs per op call (cProfile's own
-    overhead inflates every number about alike: compare the rows, not with the timings above)."""
-    profiler = cProfile.Profile()
-    for _ in range(steps):
-        before()
-        profiler.enable()
-        run()
-        profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    per_call = steps * calls
-    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-    lines = [f"{'own us/call':>11} {'cum us/call':>11} {'calls/call':>10}  function"]
-    for (file, line, name), (_, ncalls, own, cumulative, _) in rows:
-        lines.append(f"{own * 1e6 / per_call:11.2f} {cumulative * 1e6 / per_call:11.2f} {ncalls / per_call:10.2f}  "
-                     f"{_where(file, line, name)}")
-    return "\n".join(lines)
 
 
 def kernels_per_call(run: Callable[[], object], before: Callable[[], None], calls: int) -> dict[str, float]:

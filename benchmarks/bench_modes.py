@@ -89,6 +89,7 @@ from report import (
     mark_static,
     step_profile,
     markdown_table,
+    profile_of,
     median_ms,
     parse_cases,
     progress,
@@ -494,7 +495,7 @@ D_MODES = ("whole+cudagraphs", "per_layer+cudagraphs", "whole", "per_layer")
 
 
 def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, configs=None, modes=D_MODES,
-           profile: bool = False, rounds: int = 3) -> None:
+           profile: bool = False, rounds: int = 3, host_profile: bool = False) -> None:
     """The HF model's decode step in each mode; the acceptance pair (per layer vs whole, with CUDA graphs)
     first for every configuration, the modes without CUDA graphs after, as time allows."""
     import bench_e2e
@@ -516,7 +517,7 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, con
                     continue
                 try:
                     measured[(fmt, B)][mode] = hf_step_ms(model, hf, bench_e2e, fmt, B, mode, profile=profile,
-                                                          rounds=rounds)
+                                                          rounds=rounds, host_profile=host_profile)
                     progress(f"  [d] {fmt} B={B} {mode}: {measured[(fmt, B)][mode]}")
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
@@ -536,7 +537,8 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, con
 
 
 def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int = S, warmup: int = 5,
-               iters: int = 20, device: str = "cuda", profile: bool = False, rounds: int = 3) -> dict:
+               iters: int = 20, device: str = "cuda", profile: bool = False, rounds: int = 3,
+               host_profile: bool = False) -> dict:
     """Mean ms of one decode step (``hf.decode_one_token`` on a ``PagedMLACache`` of ``context`` tokens, the
     model on our attention) in ``mode``, the fastest of ``rounds`` timings of ``iters`` steps; the host's ms per
     step of that round (its Python and launches alone: the step is host-bound where it nears the step's ms);
@@ -568,6 +570,10 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
             ms, host_ms = min(_step_and_host_ms(run, bench_e2e, device, warmup, iters) for _ in range(rounds))
             if profile:
                 progress(f"--- torch.profiler, 3 steps of {fmt} B={B} {mode}\n{step_profile(run, device)}")
+            if host_profile:
+                for by in ("own", "cumulative"):
+                    progress(f"--- cProfile of 10 steps of {fmt} B={B} {mode}, us per step, by {by} time\n"
+                             + profile_of(run, lambda: None, 10, 1, top=30, by=by))
         return dict(ms=ms, host_ms=host_ms, backends=",".join(backends) or "cached graph")
     finally:
         if per_layer:
@@ -726,6 +732,8 @@ def main(argv=None) -> None:
     p.add_argument("--d-profile", action="store_true",
                    help="part d: after timing each mode, print torch.profiler's table of 3 steps (the profiler's "
                         "session slows what follows it: time with the same configuration without this flag)")
+    p.add_argument("--d-host-profile", action="store_true",
+                   help="part d: after timing each mode, print a cProfile of 10 steps (where the host's ms per step go)")
     add_out_argument(p)
     args = p.parse_args(argv)
     args.parts = "".join(ch for ch in args.parts if ch in "abcd")
@@ -755,7 +763,8 @@ def main(argv=None) -> None:
         try:
             part_d((1, 16) if args.quick else (1, 16, 64), ("bf16", "fp8_e4m3") if args.quick else
                    ("bf16", "fp8_e4m3", "fp8_ds_mla"), args.layers, deadline, results, configs=args.d_configs,
-                   modes=args.d_modes or D_MODES, profile=args.d_profile, rounds=args.d_rounds)
+                   modes=args.d_modes or D_MODES, profile=args.d_profile, rounds=args.d_rounds,
+                   host_profile=args.d_host_profile)
         except Exception as e:  # noqa: BLE001 - e.g. transformers missing
             traceback.print_exc()
             results.skip("d", "HF model", f"failed: {type(e).__name__}: {str(e)[:200]}")
