@@ -257,7 +257,7 @@ def debug_checks_enabled() -> bool:
 
 def wants_value_checks(t: Tensor) -> bool:
     # Value checks read tensor data: free on CPU, a device sync on GPU, so GPUs do them on request only.
-    return t.device.type == "cpu" or debug_checks_enabled()
+    return t.is_cpu or debug_checks_enabled()  # (is_cpu: no torch.device object made per call)
 
 
 def check_decode_values(q_nope, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None,

@@ -76,8 +76,9 @@ def _new_eager_call(op: str, args: tuple, with_lse: bool, captured: bool) -> _Ea
     problem = check_decode_args(*args, op=op)
     q_nope, kv_cache, block_table, sparse_indices = args[0], args[2], args[3], args[7]
     nothing = attends_nothing(q_nope, kv_cache, block_table, sparse_indices)
-    run = None if nothing else backend_for_eager(problem, q_nope.device, captured).eager_decode(problem, args,
-                                                                                                with_lse)
+    # The run is bound to the capture state too (part of the key): it need not ask the driver again.
+    backend = None if nothing else backend_for_eager(problem, q_nope.device, captured)
+    run = None if nothing else backend.eager_decode(problem, args, with_lse, captured=captured)
     return _EagerCall(problem, nothing, run, q_nope.get_device() if q_nope.is_cuda else -1)
 
 

@@ -420,6 +420,24 @@ def test_a_plan_is_refused_while_a_cuda_graph_is_captured(fake_flashinfer, monke
     common.planned_counts(key, on_cuda, x.kv_cache, x.block_table, x.seq_lens, None)  # a stored plan, no capture
 
 
+
+def test_an_eager_call_signature_made_while_captured_refuses_to_plan(fake_flashinfer):
+    """The eager run is bound to the capture state of its signature (ops keys on it, so the run asks the driver
+    nothing): bound while captured, every call is refused before anything is planned; bound outside a capture,
+    it plans and runs."""
+    x = make_decode_inputs([5, 70], num_heads=4)
+    args = (*x.args(), None)
+    backend = get_backend("flashinfer_fa3")
+    captured_run = backend.eager_decode(None, args, with_lse=False, captured=True)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="flashinfer_fa3 backend plans on the host"):
+            captured_run(*args)
+    assert not FakeWrapper.instances  # nothing planned
+    out = backend.eager_decode(None, args, with_lse=False)(*args)
+    want = mla_inductor.paged_decode_reference(*x.args())[0]
+    assert relative_error(out, want) < TOLERANCE[x.q_nope.dtype]
+    assert len(FakeWrapper.instances) == 1
+
 @pytest.mark.parametrize("case,lse_handed", [("fp8", False), ("sparse", True), ("q1", True)])
 def test_out_only_op_hands_the_kernel_no_lse_unless_rows_are_finished(fake_flashinfer, monkeypatch, case,
                                                                      lse_handed):

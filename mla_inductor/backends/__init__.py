@@ -131,7 +131,10 @@ class Backend:
         # q_scale only serves backends that quantize q; the result is defined on q as given.
         return self.decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
 
-    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
+    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool, captured: bool = False):
+        """The run of an eager call signature (the contract's nine arguments -> (out, lse), or out alone where
+        ``with_lse`` is False), bound once per signature; ``captured``: whether its calls are made while a CUDA
+        graph is captured (fixed per signature: ``ops`` keys on it), so the run need not ask."""
         run = self.decode_with_q_scale
 
         def decode(*args):

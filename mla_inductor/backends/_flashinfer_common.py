@@ -431,13 +431,16 @@ class _RunSite:
 
 
 def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts: Tensor,
-                with_lse: bool = True):
+                with_lse: bool = True, capturing: Optional[bool] = None):
     """``wrapper_run`` on the wrapper ``entry`` (planned for this call's configuration; ``counts``: its plan):
     ``(out, lse)``, or ``out`` alone where ``with_lse`` is False. Then the kernel writes no lse (FlashInfer's
-    lse is optional) and none is allocated, unless rows that see nothing are to be finished (that reads it)."""
+    lse is optional) and none is allocated, unless rows that see nothing are to be finished (that reads it).
+    ``capturing``: whether a CUDA graph is being captured, where the caller knows (None: asked here)."""
     # Rows that see nothing are finished by a kernel only where the plan has some; a captured run always
     # launches it, since its replays may follow plans that do.
-    finish = entry.rows_may_be_empty or (entry.on_cuda and _capturing())
+    if capturing is None:
+        capturing = entry.on_cuda and _capturing()
+    finish = entry.rows_may_be_empty or capturing
     if sparse_indices is None:
         ckv, kpe = VIEWS.get(kv_cache, entry.split, entry.halves)
     else:  # the cache read as one page of slots
@@ -574,15 +577,21 @@ class FlashInferWrapperBackend(Backend):
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
         return wrapper_run(self.fi_backend, *args, wrapper_plan(self.fi_backend, *args, key=key), key=key)
 
-    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
+    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool, captured: bool = False):
         # The wrapper's key follows from the call signature: computed once, not per call. A call whose plan is
         # stored (the step's calls after its first) goes from the plan lookup straight to the run.
         q_nope, q_pe, kv_cache, block_table, _, softmax_scale, _, sparse_indices, _ = args
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
+        fi_backend = self.fi_backend
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-            counts = planned_counts(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
-            return run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts, with_lse)
+            if captured:
+                refuse_capture(fi_backend)
+            counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
+            if counts is None:
+                counts = make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+            return run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts, with_lse,
+                               capturing=False)
 
         return decode
 

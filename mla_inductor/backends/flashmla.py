@@ -876,7 +876,7 @@ class FlashMLABackend(Backend):
         return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
                                     sparse_indices, q_scale=q_scale)
 
-    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool):
+    def eager_decode(self, problem: DecodeProblem, args: tuple, with_lse: bool, captured: bool = False):
         # mla.paged_decode reads no lse: where the kernel zeroes the rows that see nothing itself (dense
         # bf16/fp16, sparse, dense_ds) its output is the result and no epilogue kernel runs. The plan's config
         # and the mode follow from the call signature: computed once.
@@ -889,7 +889,7 @@ class FlashMLABackend(Backend):
                                             sparse_indices, with_lse, q_scale, config, mode)
             return (out, lse) if with_lse else out
 
-        if mode != "dense" or with_lse:
+        if mode != "dense" or with_lse or captured:  # (a captured call plans inline: decode_reusing_plans)
             return decode
         return _planned_dense_call(decode, config, block_table.shape[0])
 
@@ -897,15 +897,15 @@ class FlashMLABackend(Backend):
 def _planned_dense_call(decode: Callable, config: tuple, B: int):
     """An eager ``mla.paged_decode`` on a bf16/fp16 cache: a call whose plan is stored (a step's calls after its
     first) goes from the plan lookup to the provider's kernel call, everything else fixed by the call signature
-    (mode, provider, shapes) decided once; any other call is ``decode``'s (it plans, or runs while a CUDA graph
-    is captured)."""
+    (mode, provider, shapes) decided once; any other call is ``decode``'s (it plans). Not for calls made while a
+    CUDA graph is captured (they plan inline: ``eager_decode``)."""
     providers = find_providers()
     provider = providers.for_mode("dense")
     if provider is None:
         return decode
 
     def planned(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-        plan = None if being_captured(q_nope) else PLANS.get(config, block_table, seq_lens, None)
+        plan = PLANS.get(config, block_table, seq_lens, None)  # (never captured: eager_decode)
         if plan is None or find_providers() is not providers:
             return decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                           q_scale)

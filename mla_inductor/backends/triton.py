@@ -132,7 +132,7 @@ class TritonBackend(Backend):
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return DECODE_OP(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
 
-    def eager_decode(self, problem, args, with_lse):
+    def eager_decode(self, problem, args, with_lse, captured=False):
         # The signature's prepared launch (shared with the compiled op); each call only allocates and launches
         # (ops.py has checked the signature and that the call attends something).
         launch = prepared_launch(*args[:8])
