@@ -557,6 +557,10 @@ def triton_paged_decode(
 WORKSPACE_KEEP_BYTES = 64 << 20
 _WORKSPACES: dict = {}
 _COUNTERS: dict = {}  # the fused merge's split counters, one int32 tensor per workspace key
+# The fused merge is one program per row and head block reading all its splits' partials (split count x heads per
+# block x L x 4 bytes): beyond this it takes longer than the merge kernel, whose T*H programs share that work
+# (H100, B=1 H=128 fp8 with 65 splits, 8.5 MB per program: 317 us per eager call against 75 with the kernel).
+FUSED_MERGE_MAX_BYTES = 512 << 10
 _capturing = stream_capture_query()
 _current_stream = raw_stream_query()
 
@@ -622,8 +626,9 @@ class DecodeLaunch:
     arguments and grid, and holds one ``KernelLaunch`` per kernel (the decode, and the merge of the split-KV
     partials where the sequence is split), which relaunch the compiled kernels without Triton's JIT front
     door. Each later call must have the example's signature: the caller keys instances by it (the Triton
-    backend: ``contract.call_signature``). Launches per call: one; two where the sequence is split and the
-    workspace is not kept (a fresh one, as CUDA-graph trees need: the merge is a second kernel there).
+    backend: ``contract.call_signature``). Launches per call: one; two where the sequence is split and either the
+    workspace is not kept (a fresh one, as CUDA-graph trees need) or the splits' partials are too many for one
+    program to merge (``FUSED_MERGE_MAX_BYTES``): the merge is a second kernel there.
     """
 
     def __init__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
@@ -728,8 +733,9 @@ class DecodeLaunch:
         if ns > 1:
             self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H,),
                                       (ns, L, _next_pow2(ns)), dict(num_warps=4))
-            # The same decode with the merge done by each row and head block's last split (kept workspace only).
-            self.main_fused = KernelLaunch(kernel, grid, self.kernel_scalars + constants + (True,), options)
+            if ns * cfg.block_h * L * 4 <= FUSED_MERGE_MAX_BYTES:
+                # The same decode with the merge done by each row and head block's last split (kept workspace only).
+                self.main_fused = KernelLaunch(kernel, grid, self.kernel_scalars + constants + (True,), options)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
                  lse=None, keep_workspace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -770,12 +776,15 @@ class DecodeLaunch:
             self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, out, lse, lse)
             return out, lse
         kept = _split_partials(self) if keep_workspace else None
-        if kept is not None:  # one launch: the last split of each row and head block merges
+        if kept is not None and self.main_fused is not None:  # one launch: each row and head block's last split merges
             pout, plse, counters = kept
             self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse, counters, fused=True)
             return out, lse
-        T, H, L = self.out_shape
-        pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
+        if kept is not None:
+            pout, plse = kept[:2]
+        else:
+            T, H, L = self.out_shape
+            pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
         self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse, lse)
         self.merge(pout, plse, out, lse)
         return out, lse
