@@ -64,7 +64,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         out = torch.empty(*launch.out_shape, dtype=launch.out_dtype, device="cuda")
         lse = torch.empty(*launch.lse_shape, dtype=torch.float32, device="cuda")
         pout, plse = decode_kernels._alloc_partials(T, heads, launch.splits, L, launch.device)
-        tensors = (q_nope, q_pe, kv, table, lens, table, kv_scale, out, lse, pout, plse, lse)  # (no counters read)
+        tensors = (q_nope, q_pe, kv, table, lens, table, kv_scale, out, lse, pout, plse)
         rows = []
         with mla_inductor.prefer_backends("triton"):
             rows.append(("torch.ops.mla.paged_decode (eager)", lambda: torch.ops.mla.paged_decode(*args)))
@@ -72,7 +72,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             ("mla_triton::decode (the compiled op's implementation)", lambda: triton_backend.DECODE_OP(*args, [])),
             ("DecodeLaunch.__call__ (fresh workspace)",
              lambda: launch(q_nope, q_pe, kv, table, lens, kv_scale, sparse)),
-            ("DecodeLaunch.__call__ (kept workspace, merge fused: eager)",
+            ("DecodeLaunch.__call__ (kept workspace: eager)",
              lambda: launch(q_nope, q_pe, kv, table, lens, kv_scale, sparse, keep_workspace=True)),
             ("decode kernel, direct relaunch", lambda: launch.main(*tensors)),
         ]

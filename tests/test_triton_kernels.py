@@ -88,16 +88,12 @@ def make_case(B, Q, H, L, R, page, seq_lens, dtype=torch.bfloat16, kv="same", se
     return d
 
 
-def run_checked(case, sparse_indices=None, config=None, poison_partials=True, fused=False):
-    """Run the kernel into NaN-poisoned outputs (and workspace); return (out, lse). ``fused``: with a kept
-    workspace (poisoned), where a split call merges in its decode kernel (``FUSED_MERGE``); run twice, the
-    split counters back to 0 after each run."""
+def run_checked(case, sparse_indices=None, config=None, poison_partials=True):
+    """Run the kernel into NaN-poisoned outputs (and workspace); return (out, lse)."""
     T, H, L = case["q_nope"].shape
     dev = case["q_nope"].device
     out = torch.full((T, H, L), float("nan"), dtype=case["q_nope"].dtype, device=dev)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=dev)
-    if fused:
-        return _run_fused(case, sparse_indices, config, out, lse)
     orig = tk._alloc_partials
 
     def poisoned(*a, **k):
@@ -116,29 +112,6 @@ def run_checked(case, sparse_indices=None, config=None, poison_partials=True, fu
     return o, s
 
 
-def _run_fused(case, sparse_indices, config, out, lse):
-    saved = tk._WORKSPACES, tk._COUNTERS
-    tk._WORKSPACES, tk._COUNTERS = {}, {}
-    try:
-        args = dict(case)
-        launch = tk.DecodeLaunch(**args, sparse_indices=sparse_indices, config=config)
-        assert launch.main_fused is not None, "the case must split to test the fused merge"
-        for _ in range(2):
-            pout, plse, counters = tk._split_partials(launch)
-            pout.fill_(float("nan"))
-            plse.fill_(float("nan"))
-            out.fill_(float("nan"))
-            lse.fill_(float("nan"))
-            o, s = launch(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"],
-                          args["kv_scale"], sparse_indices, out, lse, keep_workspace=True)
-            assert not counters.any(), "the last split of each row and head block must reset its counter"
-            assert launch.main_fused.jit_launches + launch.main_fused.direct_launches >= 1
-            assert not torch.isnan(o).any() and not torch.isnan(s).any(), "output not fully written"
-        return o, s
-    finally:
-        tk._WORKSPACES, tk._COUNTERS = saved
-
-
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1e-2, "fp8": 5e-3, "ds": 5e-3}
 if not HAS_CUDA:
     # Triton's interpreter converts fp32 -> bf16 by truncation, not round-to-nearest, which doubles the
@@ -146,8 +119,8 @@ if not HAS_CUDA:
     TOL = {k: (v if k is torch.float32 else 2 * v) for k, v in TOL.items()}
 
 
-def check(case, sparse_indices=None, config=None, tol=1e-2, lse_atol=2e-3, fused=False):
-    out, lse = run_checked(case, sparse_indices, config, fused=fused)
+def check(case, sparse_indices=None, config=None, tol=1e-2, lse_atol=2e-3):
+    out, lse = run_checked(case, sparse_indices, config)
     ref_o, ref_l = naive_reference(**case, sparse_indices=sparse_indices)
     empty = torch.isinf(ref_l)
     assert torch.equal(torch.isinf(lse.cpu()), empty), "empty rows must give lse = -inf exactly there"
@@ -216,41 +189,6 @@ def test_b1_long_many_splits():
     c = make_case(B=1, Q=1, H=16, L=256, R=32, page=16, seq_lens=[200], seed=5)
     check(c, config=cfg(bn=32, ns=5))
     check(c)  # default config
-
-
-@cpu_only
-@pytest.mark.parametrize("case", ["bf16_heads_tail", "fp8", "ds_mtp", "sparse", "empty_rows"])
-def test_split_merge_fused_in_the_decode_kernel(case):
-    """With a kept workspace the last split of each (row, head block) merges the partials itself: checked
-    against the naive reference, partials and outputs poisoned, twice in a row (the counters reset)."""
-    if case == "bf16_heads_tail":  # 20 heads: a partial second head block
-        check(make_case(B=2, Q=1, H=20, L=256, R=32, page=16, seq_lens=[200, 33], seed=11), config=cfg(bn=16, ns=4),
-              fused=True)
-    elif case == "fp8":
-        c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[40, 70], dtype="fp8", kv="fp8", seed=12)
-        check(c, config=cfg(ns=3), tol=TOL["fp8"], fused=True)
-    elif case == "ds_mtp":
-        c = make_case(B=2, Q=2, H=16, L=512, R=64, page=8, seq_lens=[30, 45], dtype="fp8", kv="ds", seed=13)
-        check(c, config=cfg(ns=2), tol=TOL["ds"], fused=True)
-    elif case == "sparse":
-        c = make_case(B=2, Q=1, H=16, L=256, R=32, page=8, seq_lens=[60, 50], seed=14)
-        idx = _sparse_indices(c, topk=40, seed=14, pad_rows=(1,))
-        check(c, sparse_indices=idx, config=cfg(ns=3), fused=True)
-    else:  # a row with nothing to attend: every split empty (out 0, lse -inf) and splits past a short row
-        check(make_case(B=3, Q=1, H=16, L=256, R=32, page=16, seq_lens=[0, 1, 90], seed=15), config=cfg(ns=4),
-              fused=True)
-
-
-@cpu_only
-def test_fused_merge_only_where_one_program_merges_its_splits_quickly():
-    """One program per row and head block merges all its splits' partials: beyond FUSED_MERGE_MAX_BYTES of them
-    the merge kernel (T*H programs) is faster, and the launch keeps it."""
-    c = make_case(B=1, Q=1, H=16, L=512, R=64, page=16, seq_lens=[600], seed=16)
-    per_split = 16 * 512 * 4  # heads per block x L x fp32
-    fits = tk.FUSED_MERGE_MAX_BYTES // per_split
-    assert tk.DecodeLaunch(**c, config=cfg(ns=fits)).main_fused is not None
-    assert tk.DecodeLaunch(**c, config=cfg(ns=fits + 1)).main_fused is None
-    assert tk.DecodeLaunch(**c, config=cfg(ns=1)).main_fused is None  # one split: nothing to merge
 
 
 @cpu_only
@@ -393,26 +331,6 @@ def test_gpu_dense_deepseek_dims(H, kv):
     check(c, tol=TOL[torch.bfloat16 if kv == "bf16" else kv])          # default config
     check(c, config=DecodeConfig(64 if H > 32 else 16, 32, 3, 8 if H > 32 else 4, 2),
           tol=TOL[torch.bfloat16 if kv == "bf16" else kv])
-    check(c, config=DecodeConfig(64 if H > 32 else 16, 32, 3, 8 if H > 32 else 4, 2),
-          tol=TOL[torch.bfloat16 if kv == "bf16" else kv], fused=True)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("H,kv", [(16, "bf16"), (128, "bf16"), (128, "fp8"), (16, "ds")])
-def test_gpu_fused_merge_many_programs(H, kv):
-    """The fused merge where many programs race for the counters: 32 rows of mixed lengths, each run twice on one
-    kept workspace (poisoned before each run). Where the partials are too many for one program to merge (B=1 with
-    the default config's dozens of splits), the merge stays a kernel of its own."""
-    dt, kvk = (torch.bfloat16, "same") if kv == "bf16" else ("fp8", "fp8" if kv == "fp8" else "ds")
-    tol = TOL[torch.bfloat16 if kv == "bf16" else kv]
-    lens = [int(n) for n in torch.randint(0, 2048, (32,), generator=torch.Generator().manual_seed(H))]
-    c = make_case(B=32, Q=1, H=H, L=512, R=64, page=64, seq_lens=lens, dtype=dt, kv=kvk, seed=H + 2)
-    check(c, config=DecodeConfig(64 if H > 32 else 16, 64 if H > 32 else 32, 4 if H > 32 else 16,
-                                 8 if H > 32 else 4, 2), tol=tol, fused=True)
-    c = make_case(B=1, Q=1, H=H, L=512, R=64, page=64, seq_lens=[4096], dtype=dt, kv=kvk, seed=H + 1)
-    launch = tk.DecodeLaunch(**c)
-    assert launch.splits > 16 and launch.main_fused is None and launch.merge is not None
 
 
 @gpu

@@ -72,7 +72,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _mla_decode_kernel(
         QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
-        OUT, LSE, POUT, PLSE, COUNTERS,
+        OUT, LSE, POUT, PLSE,
         qk_scale,  # softmax_scale * log2(e): logits are kept in the log2 domain
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
         stride_kv_row,  # elements per cache row (bytes for the uint8 layouts)
@@ -82,7 +82,7 @@ if _HAVE_TRITON:
         L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV_MODE: tl.constexpr, IS_SPARSE: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE: tl.constexpr,
-        TRANS_LOAD: tl.constexpr, SWAP_QK: tl.constexpr, FP16_MMA: tl.constexpr, FUSED_MERGE: tl.constexpr,
+        TRANS_LOAD: tl.constexpr, SWAP_QK: tl.constexpr, FP16_MMA: tl.constexpr,
     ):
         LC: tl.constexpr = L // 4
         NUM_HB = tl.cdiv(H, BLOCK_H)
@@ -304,55 +304,6 @@ if _HAVE_TRITON:
             tl.store(p_base + 2 * LC, acc2 * inv2, mask=hmask[:, None])
             tl.store(p_base + 3 * LC, acc3 * inv2, mask=hmask[:, None])
             tl.store(PLSE + ph, lse2, mask=hmask)
-            if FUSED_MERGE:
-                # The last split of this (row, head block) to finish merges all of them: no second kernel
-                # (its launch is most of a short call's host time). COUNTERS[row, head block] counts the
-                # splits done; every thread's partial stores precede the count (barrier, then a release at
-                # GPU scope), and the last split resets it to 0 for the next launch on this stream.
-                tl.debug_barrier()
-                counter = COUNTERS + row * NUM_HB + hb
-                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if done == NUM_SPLITS - 1:
-                    tl.debug_barrier()
-                    _merge_head_block(POUT, PLSE, OUT, LSE, row, offs_h, hmask, offs_c, H, L, LC, BLOCK_H,
-                                      NUM_SPLITS)
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _merge_head_block(POUT, PLSE, OUT, LSE, row, offs_h, hmask, offs_c, H, L: tl.constexpr, LC: tl.constexpr,
-                          BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr):
-        """``_mla_merge_kernel`` for the heads ``offs_h`` of one row, from inside the decode kernel: the split
-        partials weighted by their log-sum-exp. They were written by other programs: read from L2 (``.cg``),
-        never from a stale L1 line."""
-        ph = (row.to(tl.int64) * H + offs_h) * NUM_SPLITS  # [BLOCK_H]: each head's first split
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in range(NUM_SPLITS):
-            m = tl.maximum(m, tl.load(PLSE + ph + s, mask=hmask, other=float("-inf"), cache_modifier=".cg"))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        tot = tl.zeros([BLOCK_H], tl.float32)
-        o0 = tl.zeros([BLOCK_H, LC], tl.float32)
-        o1 = tl.zeros([BLOCK_H, LC], tl.float32)
-        o2 = tl.zeros([BLOCK_H, LC], tl.float32)
-        o3 = tl.zeros([BLOCK_H, LC], tl.float32)
-        for s in range(NUM_SPLITS):
-            w = tl.exp2(tl.load(PLSE + ph + s, mask=hmask, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            tot += w  # 0 for empty splits
-            base = POUT + (ph + s)[:, None] * L + offs_c[None, :]
-            wc = w[:, None]
-            o0 += wc * tl.load(base, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-            o1 += wc * tl.load(base + LC, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-            o2 += wc * tl.load(base + 2 * LC, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-            o3 += wc * tl.load(base + 3 * LC, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-        empty = tot == 0.0
-        inv = (1.0 / tl.where(empty, 1.0, tot))[:, None]
-        o_base = OUT + row.to(tl.int64) * H * L + offs_h[:, None] * L + offs_c[None, :]
-        odt = OUT.dtype.element_ty
-        tl.store(o_base, (o0 * inv).to(odt), mask=hmask[:, None])
-        tl.store(o_base + LC, (o1 * inv).to(odt), mask=hmask[:, None])
-        tl.store(o_base + 2 * LC, (o2 * inv).to(odt), mask=hmask[:, None])
-        tl.store(o_base + 3 * LC, (o3 * inv).to(odt), mask=hmask[:, None])
-        lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
-        tl.store(LSE + row.to(tl.int64) * H + offs_h, lse, mask=hmask)
 
     @triton.jit
     def _mla_merge_kernel(POUT, PLSE, OUT, LSE, NUM_SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -556,38 +507,26 @@ def triton_paged_decode(
 # Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
 WORKSPACE_KEEP_BYTES = 64 << 20
 _WORKSPACES: dict = {}
-_COUNTERS: dict = {}  # the fused merge's split counters, one int32 tensor per workspace key
-# The fused merge is one program per row and head block reading all its splits' partials (split count x heads per
-# block x L x 4 bytes): beyond this it takes longer than the merge kernel, whose T*H programs share that work
-# (H100, B=1 H=128 fp8 with 65 splits, 8.5 MB per program: 317 us per eager call against 75 with the kernel).
-FUSED_MERGE_MAX_BYTES = 512 << 10
 _capturing = stream_capture_query()
 _current_stream = raw_stream_query()
 
 
 def _split_partials(launch: "DecodeLaunch"):
-    """The partials of ``launch``'s eager split-KV call and the counters of its fused merge: views of the kept
-    workspace of the current stream (made again only when that workspace changed) and the stream's kept counters,
-    or None where none is kept (the caller then allocates partials and launches the merge kernel).
-
-    The counters (int32, one per row and head block) are zeroed when made; each launch's last split of a row and
-    head block sets its counter back to 0, so they are all 0 between launches on the stream."""
+    """The partials of ``launch``'s eager split-KV call: views of the kept workspace of the current stream (made
+    again only when that workspace changed), else a fresh ``_alloc_partials``."""
     T, H, L = launch.out_shape
     ns, device = launch.splits, launch.device
     numel = T * H * ns * (L + 1)
-    if numel * 4 > WORKSPACE_KEEP_BYTES or (device.type == "cuda" and _capturing()):
-        return None
-    key = (device.index, _current_stream(device.index)) if device.type == "cuda" else (device.type, device.index)
+    if device.type != "cuda" or numel * 4 > WORKSPACE_KEEP_BYTES or _capturing():
+        return _alloc_partials(T, H, ns, L, device)
+    key = (device.index, _current_stream(device.index))
     workspace = _WORKSPACES.get(key)
     if workspace is None or workspace.numel() < numel:
         workspace = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < launch.counters_needed:
-        counters = _COUNTERS[key] = torch.zeros(max(launch.counters_needed, 1024), dtype=torch.int32, device=device)
     kept = launch.partials
-    if kept is None or kept[0] is not workspace or kept[3] is not counters:
-        kept = launch.partials = (workspace, *_partial_views(workspace, T, H, ns, L), counters)
-    return kept[1:]
+    if kept is None or kept[0] is not workspace:
+        kept = launch.partials = (workspace, *_partial_views(workspace, T, H, ns, L))
+    return kept[1], kept[2]
 
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
@@ -626,9 +565,7 @@ class DecodeLaunch:
     arguments and grid, and holds one ``KernelLaunch`` per kernel (the decode, and the merge of the split-KV
     partials where the sequence is split), which relaunch the compiled kernels without Triton's JIT front
     door. Each later call must have the example's signature: the caller keys instances by it (the Triton
-    backend: ``contract.call_signature``). Launches per call: one; two where the sequence is split and either the
-    workspace is not kept (a fresh one, as CUDA-graph trees need) or the splits' partials are too many for one
-    program to merge (``FUSED_MERGE_MAX_BYTES``): the merge is a second kernel there.
+    backend: ``contract.call_signature``). Launches per call: one, or two where the sequence is split.
     """
 
     def __init__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
@@ -662,8 +599,8 @@ class DecodeLaunch:
         self.nothing_attended = False
         self.table_copy = self.indices_copy = False
         self.kv_scale_view = kv_scale is not None and (tuple(kv_scale.shape) != (1,) or kv_scale.dtype != torch.float32)
-        self.main = self.merge = self.main_fused = None
-        self.partials = None  # (workspace, partial out, partial lse, counters) of the last split call: _split_partials
+        self.main = self.merge = None
+        self.partials = None  # (workspace, partial out, partial lse) of the last split call: _split_partials
         if self.nothing:
             return
         if self.sparse:
@@ -721,21 +658,16 @@ class DecodeLaunch:
         fp16_mma = c["KV_MODE"] == _KV_FP8 and (cfg.fp16_mma is None or cfg.fp16_mma)
         constants = (c["L"], c["R"], c["PAGE_SIZE"], cfg.block_h, cfg.block_n, ns, c["KV_MODE"], c["IS_SPARSE"],
                      c["DOT_PREC"], c["EMULATE"], fp8_qk == "reload", fp8_qk == "swap", fp16_mma)
-        head_blocks = triton.cdiv(H, cfg.block_h)
-        grid = (T * ns * head_blocks,)
-        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        kernel = _kernel_for(_mla_decode_kernel, self.device)
+        grid = (T * ns * triton.cdiv(H, cfg.block_h),)
         self.splits = ns
         self.partials = None
-        self.counters_needed = T * head_blocks
-        self.main = KernelLaunch(kernel, grid, self.kernel_scalars + constants + (False,), options)
-        self.merge = self.main_fused = None
+        self.main = KernelLaunch(_kernel_for(_mla_decode_kernel, self.device), grid,
+                                 self.kernel_scalars + constants, dict(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.num_stages))
+        self.merge = None
         if ns > 1:
             self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H,),
                                       (ns, L, _next_pow2(ns)), dict(num_warps=4))
-            if ns * cfg.block_h * L * 4 <= FUSED_MERGE_MAX_BYTES:
-                # The same decode with the merge done by each row and head block's last split (kept workspace only).
-                self.main_fused = KernelLaunch(kernel, grid, self.kernel_scalars + constants + (True,), options)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
                  lse=None, keep_workspace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -772,28 +704,24 @@ class DecodeLaunch:
             kv_scale = torch.ones(1, dtype=torch.float32, device=self.device)
         elif self.kv_scale_view:
             kv_scale = kv_scale.reshape(1).float()
-        if self.merge is None:  # one split: the decode writes out and lse (the partials' places are unused)
-            self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, out, lse, lse)
-            return out, lse
-        kept = _split_partials(self) if keep_workspace else None
-        if kept is not None and self.main_fused is not None:  # one launch: each row and head block's last split merges
-            pout, plse, counters = kept
-            self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse, counters, fused=True)
-            return out, lse
-        if kept is not None:
-            pout, plse = kept[:2]
+        if self.merge is not None:
+            if keep_workspace:
+                pout, plse = _split_partials(self)
+            else:
+                T, H, L = self.out_shape
+                pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
         else:
-            T, H, L = self.out_shape
-            pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
-        self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse, lse)
-        self.merge(pout, plse, out, lse)
+            pout, plse = out, lse  # unused
+        self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse)
+        if self.merge is not None:
+            self.merge(pout, plse, out, lse)
         return out, lse
 
-    def _launch_main(self, *tensors, fused: bool = False) -> None:
+    def _launch_main(self, *tensors) -> None:
         global _LAST_COMPILED
         while True:
             try:
-                _LAST_COMPILED = (self.main_fused if fused else self.main)(*tensors)
+                _LAST_COMPILED = self.main(*tensors)
                 return
             except Exception as e:  # noqa: BLE001
                 # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
