@@ -16,8 +16,8 @@ from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternM
 
 from mla_inductor._library import StaticTensor, call_site_facts, call_site_name
 
-__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraphs_enabled",
-           "current_post_grad_pass", "decide", "direct_calls_supported", "keep_in_graph", "pattern_pass",
+__all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraph_trees_enabled",
+           "cudagraphs_enabled", "current_post_grad_pass", "functionalized_target", "decide", "direct_calls_supported", "keep_in_graph", "pattern_pass",
            "set_post_grad_pass", "size_hint", "size_key", "specialize", "static_size"]
 
 
@@ -50,6 +50,23 @@ def cudagraphs_enabled() -> bool:
     """Whether the graph being compiled will be captured in CUDA graphs (``mode="reduce-overhead"`` sets this
     Inductor option for the compile it runs)."""
     return bool(inductor_config.triton.cudagraphs)
+
+
+def cudagraph_trees_enabled() -> bool:
+    """Whether CUDA graphs are made by CUDA-graph trees (the default) rather than Inductor's older one-graph
+    path (``triton.cudagraph_trees=False``)."""
+    return bool(getattr(inductor_config.triton, "cudagraph_trees", True))
+
+
+def functionalized_target(node: torch.fx.Node) -> Any:
+    """The op an ``auto_functionalized`` / ``auto_functionalized_v2`` node of a post-grad graph stands for (a
+    mutating op, functionalized; its writes reach the graph's inputs through ``copy_`` nodes), else None."""
+    higher_order = torch.ops.higher_order
+    kinds = tuple(getattr(higher_order, name) for name in ("auto_functionalized", "auto_functionalized_v2")
+                  if hasattr(higher_order, name))
+    if node.op == "call_function" and node.target in kinds and node.args:
+        return node.args[0]
+    return None
 
 
 # ----------------------------------------------------------------------------- symbolic sizes

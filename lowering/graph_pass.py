@@ -67,7 +67,9 @@ from mla_inductor.lowering._compat import (
     Match,
     as_pass_list,
     call_without_dispatcher,
+    cudagraph_trees_enabled,
     cudagraphs_enabled,
+    functionalized_target,
     direct_calls_supported,
     current_post_grad_pass,
     decide,
@@ -454,6 +456,49 @@ def _source_hash() -> bytes:
     return h.digest()
 
 
+def refuse_one_graph_cudagraphs_writing_inputs(graph: torch.fx.Graph) -> None:
+    """Raise where Inductor's older CUDA-graph path (``triton.cudagraphs`` with ``triton.cudagraph_trees=False``)
+    would capture a graph that holds our ops and writes a CUDA input in a way a second run does not repeat (a
+    length counter's increment; our cache writes are the same the second time).
+
+    That path runs a graph's first call twice, once to warm up and once as the first replay: every write to an
+    input the graph keeps in place (the caches and lengths the HF integration marks static) happens twice, and
+    the decode continues one position off, silently (on an H100 with torch 2.11: a graph incrementing static
+    lengths advanced them by 2 on its first call; per-layer HF graphs ended four steps at 205 from 200). CUDA-graph
+    trees, the default, warm up without capturing and are not affected."""
+    if not cudagraphs_enabled() or cudagraph_trees_enabled():
+        return
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    ours = [n for n in nodes if n.target in _DECODE_OPS or functionalized_target(n) in _WRITER_OPS]
+    if not ours:
+        return
+    written = [n.args[0] for n in nodes if n.target is torch.ops.aten.copy_.default
+               and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"
+               and _on_cuda(n.args[0]) and not _written_by_our_cache_writer(n.args[1])]
+    if written:
+        raise RuntimeError(
+            f"mla_inductor: this compiled graph writes {len(written)} of its CUDA inputs in place (the graph's "
+            f"{', '.join(p.name for p in written)}; e.g. the sequence lengths) and is compiled with "
+            f"triton.cudagraph_trees=False, whose CUDA graphs run the first call twice (warm-up, then the first "
+            f"replay): the writes would happen twice and decoding would go on one position off. Use the default "
+            f"CUDA-graph trees (torch.compile(..., mode=\"reduce-overhead\")), or compile without CUDA graphs.")
+
+
+_WRITER_OPS = {torch.ops.mla.cache_append.default}
+
+
+def _on_cuda(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.device.type == "cuda"
+
+
+def _written_by_our_cache_writer(value: Any) -> bool:
+    """Whether ``value`` is the cache a functionalized ``mla.cache_append`` returns: the same slots get the same
+    rows on a second run."""
+    return (isinstance(value, torch.fx.Node) and value.target is operator.getitem
+            and functionalized_target(value.args[0]) in _WRITER_OPS)
+
+
 class MLALoweringPass(CustomGraphPass):
     """Inductor post-grad pass rewriting ``mla.paged_decode(_with_lse)`` into the selected backend.
 
@@ -479,6 +524,7 @@ class MLALoweringPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for previous in self._previous_passes():
             previous(graph)
+        refuse_one_graph_cudagraphs_writing_inputs(graph)
         if any(n.op == "call_function" and n.target in _DECODE_OPS for n in graph.nodes):
             self.contexts = _call_contexts(graph)
             try:

@@ -408,3 +408,53 @@ def test_an_eager_call_validates_and_selects_once_per_signature(monkeypatch):
     with pytest.raises(TypeError, match="mla.paged_decode: q_pe must have q_nope's dtype"):
         torch.ops.mla.paged_decode(*args)
     assert counts["check"] == 2
+
+
+# ----------------------------------------------------------------------------- one-graph CUDA graphs
+
+def _graph_writing_inputs(decode: bool = True, lengths_written: bool = True, cache_written: bool = True,
+                          device: str = "cuda"):
+    """A post-grad graph as the pass sees it: placeholders for a cache and lengths (fake tensors on ``device``),
+    optionally a decode call, a functionalized ``mla.cache_append`` whose result is copied back into the cache,
+    and an increment of the lengths copied back into them."""
+    import operator
+
+    with FakeTensorMode():
+        cache_val = torch.empty(4, 64, 576, dtype=torch.bfloat16, device=device)
+        lens_val = torch.empty(2, dtype=torch.int32, device=device)
+    g = torch.fx.Graph()
+    cache, lens = g.placeholder("kv_cache"), g.placeholder("seq_lens")
+    cache.meta["val"], lens.meta["val"] = cache_val, lens_val
+    if decode:
+        g.call_function(torch.ops.mla.paged_decode.default, (cache, cache, cache, lens, lens, 0.1, lens, None))
+    if cache_written:
+        written = g.call_function(torch.ops.higher_order.auto_functionalized_v2,
+                                  (torch.ops.mla.cache_append.default,))
+        g.call_function(torch.ops.aten.copy_.default, (cache, g.call_function(operator.getitem, (written, 1))))
+    if lengths_written:
+        g.call_function(torch.ops.aten.copy_.default, (lens, g.call_function(torch.ops.aten.add.Tensor, (lens, 1))))
+    g.output(None)
+    return g
+
+
+def test_one_graph_cudagraphs_refuse_a_graph_that_writes_its_lengths():
+    """Inductor's older CUDA-graph path (``triton.cudagraph_trees=False``) runs a graph's first call twice (warm-up,
+    then the first replay): a graph of ours that increments CUDA lengths in place would decode one position off
+    (seen on an H100). The pass refuses it with what to do; our cache writer's writes (the same rows to the same
+    slots the second time), CPU graphs, graphs without our ops, CUDA-graph trees and no CUDA graphs pass."""
+    from mla_inductor.lowering.graph_pass import refuse_one_graph_cudagraphs_writing_inputs as check
+
+    one_graph = {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+    with torch._inductor.config.patch(one_graph):
+        with pytest.raises(RuntimeError, match=r"1 of its CUDA inputs in place.*seq_lens.*cudagraph_trees=False"
+                                               r".*reduce-overhead"):
+            check(_graph_writing_inputs())
+        with pytest.raises(RuntimeError, match="seq_lens"):  # the cache writer's graph alone, lengths written too
+            check(_graph_writing_inputs(decode=False))
+        check(_graph_writing_inputs(lengths_written=False))  # only our cache writer writes
+        check(_graph_writing_inputs(device="cpu"))  # never captured
+        check(_graph_writing_inputs(decode=False, cache_written=False))  # not a graph of ours
+    with torch._inductor.config.patch({"triton.cudagraphs": True, "triton.cudagraph_trees": True}):
+        check(_graph_writing_inputs())
+    with torch._inductor.config.patch({"triton.cudagraphs": False, "triton.cudagraph_trees": False}):
+        check(_graph_writing_inputs())

@@ -201,3 +201,35 @@ def test_eager_calls_on_a_second_gpu_run_there(backend, case):
                                   cache.kv_scale, None)[0]
     err = relative_error(out, want)
     assert out.device == dev and err <= TOL[fmt], f"{backend} {case} on cuda:1: error {err:.2e} vs the reference"
+
+
+def test_gpu_one_graph_cudagraphs_never_write_lengths_twice():
+    """torch.compile with ``triton.cudagraph_trees=False``: Inductor's older CUDA-graph path runs a graph's first
+    call twice (warm-up, then the first replay), so a graph incrementing static lengths in place advanced them by 2
+    (torch 2.11, H100). The pass refuses such a graph of ours with what to do instead; where torch itself skips
+    CUDA graphs for it, the lengths advance once per call."""
+    from mla_inductor import _compat
+    from mla_inductor.testing import make_decode_inputs
+
+    torch.compiler.reset()
+    x = make_decode_inputs(seq_lens=[100, 37], num_heads=16, device="cuda")
+    args = list(x.args())
+    lens = args[4]
+    _compat.mark_static_address(lens)
+
+    def step(q_nope, q_pe, cache, table, lens, scale, kv_scale, sparse):
+        out = torch.ops.mla.paged_decode(q_nope, q_pe, cache, table, lens, scale, kv_scale, sparse)
+        lens.add_(1)
+        return out
+
+    compiled = torch.compile(step, fullgraph=True,
+                             options={"triton.cudagraphs": True, "triton.cudagraph_trees": False})
+    before = lens.clone()
+    try:
+        compiled(*args)
+    except Exception as e:  # noqa: BLE001 - Inductor wraps the pass's error
+        assert "cudagraph_trees=False" in str(e) and "reduce-overhead" in str(e), str(e)[:500]
+        assert torch.equal(lens, before), "refused before anything ran"
+        return
+    torch.cuda.synchronize()
+    assert torch.equal(lens, before + 1), f"lengths advanced by {(lens - before).tolist()} in one call"
