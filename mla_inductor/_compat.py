@@ -107,6 +107,30 @@ def tensor_properties_check(tensors: Sequence[torch.Tensor]) -> Optional[Callabl
     return guards.check
 
 
+def op_packet_class() -> type:
+    """``torch._ops.OpOverloadPacket``: the class of ``torch.ops.<namespace>.<name>``."""
+    return torch._ops.OpOverloadPacket
+
+
+def eager_call_reaches_kernel() -> Callable[[], bool]:
+    """A query: would an op called now go from the dispatcher straight to its kernel? False while a
+    TorchDispatchMode (fake tensors, functionalization, tracing, FlopCounter...) or a TorchFunctionMode (``with
+    torch.device(...)``) is active, a functorch transform (vmap, grad) runs, or the profiler records (so that it
+    still sees the op). Private torch functions; where one is missing the query always says False."""
+    c = torch._C
+    dispatch_modes = getattr(c, "_len_torch_dispatch_stack", None)
+    function_modes = getattr(c, "_is_torch_function_mode_enabled", None)
+    functorch = getattr(getattr(c, "_functorch", None), "peek_interpreter_stack", None)
+    profiling = getattr(getattr(c, "_autograd", None), "_profiler_enabled", None)
+    if None in (dispatch_modes, function_modes, functorch, profiling):
+        return lambda: False
+
+    def reaches() -> bool:
+        return not (dispatch_modes() or function_modes() or profiling() or functorch() is not None)
+
+    return reaches
+
+
 def mark_static_address(t: torch.Tensor) -> None:
     """``torch._dynamo.mark_static_address``: CUDA-graph trees read the tensor in place, never copy it."""
     import torch._dynamo

@@ -172,9 +172,10 @@ def _paged_decode_with_lse_fake(*args):
 
 
 # The ops are defined with the low-level Library API (``_library``): an eager call goes from the dispatcher
-# straight to the implementation.
+# straight to the implementation, or (a plain eager call of the packet, ``eager_direct``) to it without the
+# dispatcher.
 paged_decode_with_lse = define_op("mla::paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)",
-                                  _paged_decode_with_lse, _paged_decode_with_lse_fake)
+                                  _paged_decode_with_lse, _paged_decode_with_lse_fake, eager_direct=True)
 
 
 def _paged_decode(*args) -> Tensor:
@@ -188,7 +189,8 @@ def _paged_decode_fake(*args):
     return empty_decode_outputs(args[0])[0]
 
 
-paged_decode = define_op("mla::paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake)
+paged_decode = define_op("mla::paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake,
+                         eager_direct=True)
 
 
 # ----------------------------------------------------------------------------- cache_append
