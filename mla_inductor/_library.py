@@ -73,6 +73,8 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
 
 
 _reaches_kernel = eager_call_reaches_kernel()
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 # The Python types an argument of each schema type may have for the call to skip the dispatcher: exactly what the
 # dispatcher would hand the kernel unchanged (anything else, a tensor subclass or an int for a float included,
 # goes through the dispatcher, which converts it or raises its own error).
@@ -84,15 +86,16 @@ class EagerDirectPacket(op_packet_class()):
     """The packet (``torch.ops.<namespace>.<name>``) of an op defined with ``eager_direct=True``: a call made where
     the dispatcher would go straight to the op's kernel (no dispatch or function mode, functorch transform or
     profiler; positional arguments within the schema's count, each of the exact type the dispatcher would hand
-    over: a plain ``torch.Tensor``, None for an optional one, a float) calls the kernel itself; any other call goes
-    through the dispatcher as before, with its errors."""
+    over: a plain ``torch.Tensor``, None for an optional one, a float; no tensor requiring grad while grad mode is
+    on) calls the kernel itself; any other call goes through the dispatcher as before, with its errors."""
 
     def __call__(self, /, *args, **kwargs):
         kinds = self._eager_kinds
         if not kwargs and self._eager_least <= len(args) <= len(kinds) and _reaches_kernel():
+            grad = _grad_enabled()
             for a, kind in zip(args, kinds):
-                if type(a) not in kind:
-                    break
+                if type(a) not in kind or (grad and type(a) is _Tensor and a.requires_grad):
+                    break  # (a tensor needing grad: the dispatcher's autograd fallback decides what the output is)
             else:
                 return self._eager_impl(*args)
         return self._op(*args, **kwargs)

@@ -75,6 +75,12 @@ def test_calls_the_dispatcher_must_see_go_through_it(counted):
     with pytest.raises(RuntimeError):
         op(*args[:5])  # too few arguments: the dispatcher's error
     assert counted[op.__name__] == 6
+    needs_grad = args[0].clone().requires_grad_(True)  # the dispatcher's autograd fallback sees it
+    torch.testing.assert_close(op(needs_grad, *args[1:]).detach(), want)
+    assert counted[op.__name__] == 7
+    with torch.no_grad():
+        op(needs_grad, *args[1:])
+    assert counted[op.__name__] == 7
 
 
 def test_eager_direct_refuses_ops_it_cannot_serve():
