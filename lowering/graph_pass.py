@@ -114,7 +114,7 @@ class PlanOps:
         """Record the ops of ``backend`` as the pass is about to use them in ``context`` (what it says now: a
         test may change a backend's answers)."""
         op, plan_op = backend.compiled_op_for(context), backend.plan_op()
-        out_only = None if with_lse or op is None else backend.out_only_op()
+        out_only = None if with_lse or op is None else backend.out_only_op_for(context)
         if out_only is not None:
             self.out_only.add(out_only)
         self.runs.update(o for o in (op, out_only) if o is not None)
@@ -137,7 +137,7 @@ def _replacement(backend, problem: Optional[DecodeProblem], with_lse: bool, cons
     op = plan_op = out_only = quantized = None
     if backend is not None:
         op, plan_op = backend.compiled_op_for(context), backend.plan_op()
-        out_only = None if with_lse or op is None else backend.out_only_op()
+        out_only = None if with_lse or op is None else backend.out_only_op_for(context)
         quantized = backend.quantized_query_op(problem)
 
     def replacement(*tensors):

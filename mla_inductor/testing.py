@@ -148,6 +148,9 @@ def backend_call_paths(backend, args: tuple) -> list[tuple[str, torch.Tensor, to
         paths.append(("compiled_op (no CUDA graphs)", *uncaptured(*args, plan)))
     if backend.out_only_op() is not None:
         paths.append(("out_only_op", backend.out_only_op()(*args, plan), paths[-1][2]))
+    uncaptured_out_only = backend.out_only_op_for(CallContext(calls_sharing_plan=1, captured=False))
+    if uncaptured_out_only is not None and uncaptured_out_only is not backend.out_only_op():
+        paths.append(("out_only_op (no CUDA graphs)", uncaptured_out_only(*args, plan), paths[-1][2]))
     if backend.decode_and_plan_op() is not None:
         out, lse, *_ = backend.decode_and_plan_op()(*args)
         paths.append(("decode_and_plan_op", out, lse))

@@ -511,7 +511,7 @@ with mla_inductor.prefer_backends("triton"):
     got = torch.compile(step, fullgraph=True)(*args)
 want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
 from torch._inductor.select_algorithm import extern_kernels
-calls = vars(extern_kernels.mla_direct.mla_triton.decode_keeping_workspace)
+calls = vars(extern_kernels.mla_direct.mla_triton.decode_out_keeping_workspace)
 print("hits", counters["inductor"]["fxgraph_cache_hit"], "error", relative_error(got, want),
       "sites", sum(name.startswith("site_") for name in calls))
 """
@@ -634,7 +634,7 @@ def test_cpp_wrapper_compiles_our_ops_and_the_record():
     with mla_inductor.prefer_backends("triton"), torch._inductor.config.patch(cpp_wrapper=True), fresh_cache():
         got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
     code = "\n".join(code)
-    assert '"mla_triton::decode_keeping_workspace"' in code and "mla_direct" not in code, code[-3000:]
+    assert '"mla_triton::decode_out_keeping_workspace"' in code and "mla_direct" not in code, code[-3000:]
     want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
     assert relative_error(got, want) < 1e-5
     assert "triton" in {d.backend for d in mla_inductor.lowering.decisions()}

@@ -408,9 +408,10 @@ def test_backend_through_the_op_eager_and_compiled():
         assert rel_l2(step(*args), want) < TOL[torch.bfloat16]
         torch._dynamo.reset()
         got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
-    # Compiled without CUDA graphs: the op that keeps the split-KV workspace per stream, as eager calls do.
-    # No dispatcher: the call site's own callable (static sizes)
-    assert "= extern_kernels.mla_direct.mla_triton.decode_keeping_workspace.site_default_" in code[0]
+    # Compiled without CUDA graphs: the op that keeps the split-KV workspace per stream, as eager calls do, and
+    # (mla.paged_decode reads no lse) writes the lse into the kept scratch. No dispatcher: the call site's own
+    # callable (static sizes)
+    assert "= extern_kernels.mla_direct.mla_triton.decode_out_keeping_workspace.site_default_" in code[0]
     assert rel_l2(got, want) < TOL[torch.bfloat16]
 
 
@@ -450,5 +451,5 @@ def test_gpu_compiled_step_calls_our_op():
     with mla_inductor.prefer_backends("triton"):
         torch._dynamo.reset()
         got, code = run_and_get_code(torch.compile(step, fullgraph=True), *args)
-    assert "= extern_kernels.mla_direct.mla_triton.decode_keeping_workspace.site_default_" in "\n".join(code)
+    assert "= extern_kernels.mla_direct.mla_triton.decode_out_keeping_workspace.site_default_" in "\n".join(code)
     assert rel_l2(got, paged_decode_reference(*args)[0]) < TOL[torch.bfloat16]

@@ -120,6 +120,11 @@ class Backend:
     def out_only_op(self):
         return None
 
+    def out_only_op_for(self, context):
+        """The out-only op (``out_only_op``) for a compiled call in ``context``: ``out_only_op()`` unless it depends
+        on where the call runs."""
+        return self.out_only_op()
+
     def quantized_query_op(self, problem: DecodeProblem):
         return None
 

@@ -66,15 +66,26 @@ def _run_keeping_workspace(q_nope, q_pe, kv_cache, block_table, seq_lens, softma
     return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, keep_workspace=True)
 
 
+def _run_out_keeping_workspace(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
+                               plan):
+    """``_run_keeping_workspace`` for a call whose lse nobody reads (``mla.paged_decode``): out only, the lse the
+    kernel must write going to the stream's kept scratch instead of a fresh allocation."""
+    launch = prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
+    return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, keep_workspace=True,
+                  need_lse=False)[0]
+
+
 class _DecodeSite:
     """The decode op at one site of compiled code (``decode_op``'s ``call_site``): shapes, dtypes, devices and
     which optional tensors are given are fixed there, so a call finds its prepared launch by its tensors'
-    strides alone (a few attribute reads, where ``call_signature`` reads every property of every argument)."""
+    strides alone (a few attribute reads, where ``call_signature`` reads every property of every argument).
+    ``out_only``: the site returns out alone (the lse going to the kept scratch)."""
 
-    __slots__ = ("keep_workspace", "launches")
+    __slots__ = ("keep_workspace", "launches", "out_only")
 
-    def __init__(self, keep_workspace: bool):
+    def __init__(self, keep_workspace: bool, out_only: bool = False):
         self.keep_workspace = keep_workspace
+        self.out_only = out_only
         self.launches: dict = {}
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices=None,
@@ -86,6 +97,9 @@ class _DecodeSite:
         if launch is None:
             launch = self.launches[strides] = prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens,
                                                               softmax_scale, kv_scale, sparse_indices)
+        if self.out_only:
+            return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices,
+                          keep_workspace=True, need_lse=False)[0]
         return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices,
                       keep_workspace=self.keep_workspace)
 
@@ -93,6 +107,8 @@ class _DecodeSite:
 DECODE_OP = decode_op("mla_triton::decode", _run, call_site=lambda facts: _DecodeSite(False))
 DECODE_KEEPING_WORKSPACE_OP = decode_op("mla_triton::decode_keeping_workspace", _run_keeping_workspace,
                                         call_site=lambda facts: _DecodeSite(True))
+DECODE_OUT_KEEPING_WORKSPACE_OP = decode_op("mla_triton::decode_out_keeping_workspace", _run_out_keeping_workspace,
+                                            returns="out", call_site=lambda facts: _DecodeSite(True, out_only=True))
 
 
 class TritonBackend(Backend):
@@ -129,6 +145,12 @@ class TritonBackend(Backend):
             return DECODE_KEEPING_WORKSPACE_OP
         return DECODE_OP
 
+    def out_only_op_for(self, context):
+        # mla.paged_decode reads no lse: outside CUDA-graph trees the kernel writes it into a kept scratch.
+        if context is not None and not context.captured:
+            return DECODE_OUT_KEEPING_WORKSPACE_OP
+        return None
+
     def decode(self, q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices):
         return DECODE_OP(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, [])
 
@@ -139,7 +161,7 @@ class TritonBackend(Backend):
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
             out, lse = launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices,
-                              keep_workspace=True)
+                              keep_workspace=True, need_lse=with_lse)
             return (out, lse) if with_lse else out
 
         return decode

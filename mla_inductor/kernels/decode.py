@@ -507,6 +507,7 @@ def triton_paged_decode(
 # Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
 WORKSPACE_KEEP_BYTES = 64 << 20
 _WORKSPACES: dict = {}
+_LSE_SCRATCH: dict = {}  # the lse an out-only call's kernel writes and nobody reads, one per workspace key
 _capturing = stream_capture_query()
 _current_stream = raw_stream_query()
 
@@ -527,6 +528,21 @@ def _split_partials(launch: "DecodeLaunch"):
     if kept is None or kept[0] is not workspace:
         kept = launch.partials = (workspace, *_partial_views(workspace, T, H, ns, L))
     return kept[1], kept[2]
+
+
+def _scratch_lse(launch: "DecodeLaunch") -> Optional[torch.Tensor]:
+    """For a call whose lse nobody reads: a [T, H] view of the current stream's kept lse scratch (the kernel must
+    write an lse; an allocation per call costs a short call host time), or None where none is kept (a CUDA graph
+    being captured: its memory must come from the graph's pool)."""
+    device = launch.device
+    if device.type == "cuda" and _capturing():
+        return None
+    key = (device.index, _current_stream(device.index)) if device.type == "cuda" else (device.type, device.index)
+    T, H = launch.lse_shape
+    scratch = _LSE_SCRATCH.get(key)
+    if scratch is None or scratch.numel() < T * H:
+        scratch = _LSE_SCRATCH[key] = torch.empty(max(T * H, 4096), dtype=torch.float32, device=device)
+    return scratch[:T * H].view(T, H)
 
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
@@ -670,18 +686,22 @@ class DecodeLaunch:
                                       (ns, L, _next_pow2(ns)), dict(num_warps=4))
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
-                 lse=None, keep_workspace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                 lse=None, keep_workspace: bool = False, need_lse: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H, L], lse [T, H] fp32)`` of a call with the example's signature; ``out`` / ``lse``:
         optional preallocated outputs (contiguous, the contract's dtypes). ``keep_workspace``: the split-KV
         workspace may be the stream's kept one (``_split_partials``): for eager calls and graphs compiled without
         CUDA graphs only, never from code CUDA-graph trees run, whose warm-up calls make every allocation in the
         graph's pool (a workspace kept from there is memory of the pool no output accounts for: "tensor(s) in
-        the cudagraph pool not tracked as outputs", H100)."""
+        the cudagraph pool not tracked as outputs", H100). ``need_lse=False`` with ``keep_workspace``: nobody reads
+        the lse, which the kernel then writes into the stream's kept scratch (``_scratch_lse``); the lse returned is
+        that scratch, valid until the next such call on the stream."""
         if out is None:
             out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
         elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
             raise ValueError(f"out: expected contiguous {self.out_dtype} {self.out_shape}; got {out.dtype} "
                              f"{tuple(out.shape)}")
+        if lse is None and not need_lse and keep_workspace:
+            lse = _scratch_lse(self)
         if lse is None:
             lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         elif lse.shape != self.lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
