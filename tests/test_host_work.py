@@ -266,21 +266,23 @@ def test_triton_eager_calls_prepare_once_per_signature_and_launch_decode_and_mer
 @needs_triton
 def test_triton_calls_whose_lse_nobody_reads_write_it_into_a_kept_scratch(monkeypatch):
     """mla.paged_decode on our Triton kernel, eager or compiled without CUDA graphs: the lse the kernel must write
-    goes to the stream's kept scratch (no allocation per call); calls that return the lse get their own."""
+    goes to a scratch the launch keeps (no allocation per call); calls that return the lse get their own."""
     import mla_inductor.ops as ops
     from mla_inductor.backends import triton as triton_backend
 
     monkeypatch.setattr(ops, "_EAGER_CALLS", Memo())
     monkeypatch.setattr(triton_backend, "_LAUNCHES", Memo())
-    monkeypatch.setattr(decode_kernels, "_LSE_SCRATCH", {})
     x = _triton_inputs([40, 13, 66], seed=4)
     want_out, want_lse = mla_inductor.paged_decode_reference(*x.args())
     with mla_inductor.prefer_backends("triton"):
         outs = [torch.ops.mla.paged_decode(*x.args()) for _ in range(2)]
-        (scratch,) = decode_kernels._LSE_SCRATCH.values()
+        (launch,) = triton_backend._LAUNCHES.values()
+        scratch = launch.lse_scratch
+        assert scratch is not None and scratch.shape == launch.lse_shape
         compiled = triton_backend.DECODE_OUT_KEEPING_WORKSPACE_OP(*x.args(), [])
-        assert len(decode_kernels._LSE_SCRATCH) == 1 and next(iter(decode_kernels._LSE_SCRATCH.values())) is scratch
+        assert launch.lse_scratch is scratch
         out, lse = torch.ops.mla.paged_decode_with_lse(*x.args())
+        assert launch.lse_scratch is scratch
     for o in (*outs, compiled, out):
         assert relative_error(o, want_out) < 2e-2
     assert lse.untyped_storage().data_ptr() != scratch.untyped_storage().data_ptr()

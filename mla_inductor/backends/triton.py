@@ -69,7 +69,7 @@ def _run_keeping_workspace(q_nope, q_pe, kv_cache, block_table, seq_lens, softma
 def _run_out_keeping_workspace(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                                plan):
     """``_run_keeping_workspace`` for a call whose lse nobody reads (``mla.paged_decode``): out only, the lse the
-    kernel must write going to the stream's kept scratch instead of a fresh allocation."""
+    kernel must write going to the launch's kept scratch instead of a fresh allocation."""
     launch = prepared_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices)
     return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices, keep_workspace=True,
                   need_lse=False)[0]

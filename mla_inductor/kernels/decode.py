@@ -507,7 +507,6 @@ def triton_paged_decode(
 # Workspaces above WORKSPACE_KEEP_BYTES are allocated per call and not kept.
 WORKSPACE_KEEP_BYTES = 64 << 20
 _WORKSPACES: dict = {}
-_LSE_SCRATCH: dict = {}  # the lse an out-only call's kernel writes and nobody reads, one per workspace key
 _capturing = stream_capture_query()
 _current_stream = raw_stream_query()
 
@@ -531,18 +530,16 @@ def _split_partials(launch: "DecodeLaunch"):
 
 
 def _scratch_lse(launch: "DecodeLaunch") -> Optional[torch.Tensor]:
-    """For a call whose lse nobody reads: a [T, H] view of the current stream's kept lse scratch (the kernel must
-    write an lse; an allocation per call costs a short call host time), or None where none is kept (a CUDA graph
-    being captured: its memory must come from the graph's pool)."""
-    device = launch.device
-    if device.type == "cuda" and _capturing():
-        return None
-    key = (device.index, _current_stream(device.index)) if device.type == "cuda" else (device.type, device.index)
-    T, H = launch.lse_shape
-    scratch = _LSE_SCRATCH.get(key)
-    if scratch is None or scratch.numel() < T * H:
-        scratch = _LSE_SCRATCH[key] = torch.empty(max(T * H, 4096), dtype=torch.float32, device=device)
-    return scratch[:T * H].view(T, H)
+    """For a call whose lse nobody reads: the [T, H] lse the kernel must write, kept by the launch (an allocation
+    per call costs a short call host time), or None where none is kept yet and a CUDA graph is being captured
+    (kept memory must not come from the graph's pool). Calls on other streams, or inside a later capture, write
+    the same scratch: nobody reads it."""
+    scratch = launch.lse_scratch
+    if scratch is None:
+        if launch.device.type == "cuda" and _capturing():
+            return None
+        scratch = launch.lse_scratch = torch.empty(*launch.lse_shape, dtype=torch.float32, device=launch.device)
+    return scratch
 
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
@@ -617,6 +614,7 @@ class DecodeLaunch:
         self.kv_scale_view = kv_scale is not None and (tuple(kv_scale.shape) != (1,) or kv_scale.dtype != torch.float32)
         self.main = self.merge = None
         self.partials = None  # (workspace, partial out, partial lse) of the last split call: _split_partials
+        self.lse_scratch = None  # the [T, H] lse out-only calls write and nobody reads: _scratch_lse
         if self.nothing:
             return
         if self.sparse:
@@ -693,8 +691,8 @@ class DecodeLaunch:
         CUDA graphs only, never from code CUDA-graph trees run, whose warm-up calls make every allocation in the
         graph's pool (a workspace kept from there is memory of the pool no output accounts for: "tensor(s) in
         the cudagraph pool not tracked as outputs", H100). ``need_lse=False`` with ``keep_workspace``: nobody reads
-        the lse, which the kernel then writes into the stream's kept scratch (``_scratch_lse``); the lse returned is
-        that scratch, valid until the next such call on the stream."""
+        the lse, which the kernel then writes into the launch's kept scratch (``_scratch_lse``); the lse returned is
+        that scratch, overwritten by the next such call."""
         if out is None:
             out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
         elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
