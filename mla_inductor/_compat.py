@@ -107,6 +107,11 @@ def tensor_properties_check(tensors: Sequence[torch.Tensor]) -> Optional[Callabl
     return guards.check
 
 
+def schema_arguments(op) -> list:
+    """The arguments of an OpOverload's schema (``op._schema.arguments``: name, type, default, alias info)."""
+    return list(op._schema.arguments)
+
+
 def op_packet_class() -> type:
     """``torch._ops.OpOverloadPacket``: the class of ``torch.ops.<namespace>.<name>``."""
     return torch._ops.OpOverloadPacket

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from mla_inductor._compat import eager_call_reaches_kernel, op_packet_class
+from mla_inductor._compat import eager_call_reaches_kernel, op_packet_class, schema_arguments
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
 # Ops whose implementation compiled code may call itself (``define_op(direct=True)``), and who wants to know.
@@ -55,7 +55,7 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     torch.library.register_fake(qualname, fake, lib=lib)
     packet = getattr(getattr(torch.ops, namespace), name)
     if eager_direct:
-        arguments = packet.default._schema.arguments
+        arguments = schema_arguments(packet.default)
         if any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
             raise ValueError(f"define_op({qualname!r}): eager_direct is for ops that write none of their arguments")
         kinds = tuple(_ARGUMENT_TYPES.get(str(a.type)) for a in arguments)
