@@ -17,8 +17,9 @@ from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternM
 from mla_inductor._library import StaticTensor, call_site_facts, call_site_name
 
 __all__ = ["CustomGraphPass", "Match", "as_pass_list", "call_without_dispatcher", "cudagraph_trees_enabled",
-           "cudagraphs_enabled", "current_post_grad_pass", "functionalized_target", "decide", "direct_calls_supported", "keep_in_graph", "pattern_pass",
-           "set_post_grad_pass", "size_hint", "size_key", "specialize", "static_size"]
+           "cudagraphs_enabled", "current_post_grad_pass", "decide", "direct_calls_supported", "functionalized_target",
+           "keep_in_graph", "pattern_pass", "set_post_grad_pass", "size_hint", "size_key", "specialize",
+           "static_size"]
 
 
 def current_post_grad_pass() -> Any:

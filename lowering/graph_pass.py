@@ -463,9 +463,10 @@ def refuse_one_graph_cudagraphs_writing_inputs(graph: torch.fx.Graph) -> None:
 
     That path runs a graph's first call twice, once to warm up and once as the first replay: every write to an
     input the graph keeps in place (the caches and lengths the HF integration marks static) happens twice, and
-    the decode continues one position off, silently (on an H100 with torch 2.11: a graph incrementing static
-    lengths advanced them by 2 on its first call; per-layer HF graphs ended four steps at 205 from 200). CUDA-graph
-    trees, the default, warm up without capturing and are not affected."""
+    the decode continues one position off, silently (torch's ``cudagraph_utils.check_for_mutation`` says as much:
+    "doesn't work for non-trees because the warmup run would apply mutation twice"; with torch 2.11 such a graph
+    was captured anyway, ``tests/test_modes_gpu.py::test_gpu_one_graph_cudagraphs_never_write_lengths_twice``).
+    CUDA-graph trees, the default, warm up without capturing and are not affected."""
     if not cudagraphs_enabled() or cudagraph_trees_enabled():
         return
     nodes = [n for n in graph.nodes if n.op == "call_function"]

@@ -205,8 +205,8 @@ def test_eager_calls_on_a_second_gpu_run_there(backend, case):
 
 def test_gpu_one_graph_cudagraphs_never_write_lengths_twice():
     """torch.compile with ``triton.cudagraph_trees=False``: Inductor's older CUDA-graph path runs a graph's first
-    call twice (warm-up, then the first replay), so a graph incrementing static lengths in place advanced them by 2
-    (torch 2.11, H100). The pass refuses such a graph of ours with what to do instead; where torch itself skips
+    call twice (warm-up, then the first replay), so a graph incrementing static lengths in place would advance them
+    twice. The pass refuses such a graph of ours with what to do instead; where torch itself skips
     CUDA graphs for it, the lengths advance once per call."""
     from mla_inductor import _compat
     from mla_inductor.testing import make_decode_inputs

@@ -321,10 +321,12 @@ def wrapper_plan(fi_backend, q_nope, q_pe, kv_cache, block_table, seq_lens, soft
     return [planned_counts(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)]
 
 
-def planned_counts(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices) -> Tensor:
+def planned_counts(key: _WrapperKey, q_nope, kv_cache, block_table, seq_lens, sparse_indices,
+                   captured: Optional[bool] = None) -> Tensor:
     """The row counts of the plan ``PLANS`` holds for ``key`` from these tensors as they are now, planning
-    (and storing) first where it holds none. Refuses while a CUDA graph is captured (``refuse_capture``)."""
-    if being_captured(q_nope):
+    (and storing) first where it holds none. Refuses while a CUDA graph is captured (``refuse_capture``);
+    ``captured``: whether one is, where the caller knows (None: asked here)."""
+    if being_captured(q_nope) if captured is None else captured:
         refuse_capture(key.fi_backend)
     counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
     return counts if counts is not None else make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
@@ -582,14 +584,9 @@ class FlashInferWrapperBackend(Backend):
         # stored (the step's calls after its first) goes from the plan lookup straight to the run.
         q_nope, q_pe, kv_cache, block_table, _, softmax_scale, _, sparse_indices, _ = args
         key = _wrapper_key(self.fi_backend, q_nope, q_pe, kv_cache, block_table, softmax_scale, sparse_indices)
-        fi_backend = self.fi_backend
 
         def decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, q_scale):
-            if captured:
-                refuse_capture(fi_backend)
-            counts = PLANS.get(key, block_table, seq_lens, sparse_indices)
-            if counts is None:
-                counts = make_plan(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices)
+            counts = planned_counts(key, q_nope, kv_cache, block_table, seq_lens, sparse_indices, captured)
             return run_planned(_WRAPPERS[key], q_nope, q_pe, kv_cache, kv_scale, sparse_indices, counts, with_lse,
                                capturing=False)
 
