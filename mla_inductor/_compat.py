@@ -252,6 +252,17 @@ def static_triton_kernel(compiled, device_index: int) -> Optional[StaticKernel]:
                         kernel.arg_tys + "O" * scratch, positions, scratch, kernel)
 
 
+def gluon_async_load(async_copy_module):
+    """Gluon's cp.async builtin (global -> shared, predicated): ``async_load`` in newer Triton (3.9 keeps the old
+    name only to raise), ``async_copy_global_to_shared`` in Triton 3.5-3.6. Same arguments (smem, pointers, mask)."""
+    return getattr(async_copy_module, "async_load", None) or async_copy_module.async_copy_global_to_shared
+
+
+def gluon_cta_barrier(gl_module):
+    """Gluon's barrier of every thread of a program: ``barrier`` in newer Triton, ``thread_barrier`` in 3.5-3.6."""
+    return getattr(gl_module, "barrier", None) or gl_module.thread_barrier
+
+
 # ----------------------------------------------------------------------------- collectives
 
 # Traced steps use functional collectives, which return new tensors instead of writing into an argument: that

@@ -388,6 +388,80 @@ def test_gpu_cuda_graph_capture():
     assert rel_l2(out, ref_o) < TOL["fp8"]
 
 
+# ----------------------------------------------------------------------------- the Gluon kernel (SM90)
+def _sm90_with_gluon() -> bool:
+    from mla_inductor.kernels import decode_hopper
+
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and decode_hopper.HAVE_GLUON
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90_with_gluon(), reason="needs an SM90 GPU and a Triton with Gluon")
+
+
+def poison_unread(case):
+    """NaN into every cache slot no sequence reaches (pages past a sequence's length, unused pages)."""
+    cache, bt, lens = case["kv_cache"], case["block_table"].cpu(), case["seq_lens"].cpu()
+    page = cache.shape[1]
+    keep = torch.zeros(cache.shape[0] * page, dtype=torch.bool)
+    for b in range(bt.shape[0]):
+        n = int(lens[b])
+        pages = bt[b, :(n + page - 1) // page].long()
+        keep[(pages[:, None] * page + torch.arange(page)[None, :]).reshape(-1)[:n]] = True
+    rows = cache.view(-1, cache.shape[-1])
+    drop = (~keep).to(cache.device)
+    if rows.dtype == torch.float8_e4m3fn:
+        rows.view(torch.uint8)[drop] = 0x7F  # e4m3fn NaN
+    else:
+        rows[drop] = float("nan")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("same", torch.float16), ("fp8", "fp8")])
+@pytest.mark.parametrize("H", [40, 128])
+@pytest.mark.parametrize("tiling", [(64, 2), (32, 3)])
+@pytest.mark.parametrize("page,Q,ns", [(64, 1, 1), (7, 2, 3), (1, 1, 2), (16, 4, 1)])
+def test_gpu_hopper_kernel(kv, dtype, H, tiling, page, Q, ns):
+    c = make_case(B=3, Q=Q, H=H, L=512, R=64, page=page, seq_lens=[700, 0, 64 * 3 + 5], dtype=dtype, kv=kv,
+                  seed=H + page)
+    poison_unread(c)
+    config = DecodeConfig(64, tiling[0], ns, 8, tiling[1], kernel="hopper")
+    check(c, config=config, tol=TOL["fp8" if kv == "fp8" else dtype])
+    launch = tk.DecodeLaunch(**c, config=config)
+    assert launch.config.kernel == "hopper"
+
+
+@gpu
+@needs_sm90
+def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
+    c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], seed=5)
+    poison_unread(c)
+    assert tk.DecodeLaunch(**c).config.kernel == "hopper"
+    check(c)
+    idx = _sparse_indices(c, topk=256, seed=6)
+    assert tk.DecodeLaunch(**c, sparse_indices=idx).config.kernel == "triton"
+    ds = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="ds", seed=7)
+    assert tk.DecodeLaunch(**ds).config.kernel == "triton"
+    small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
+    assert tk.DecodeLaunch(**small).config.kernel == "triton"
+
+
+@gpu
+@needs_sm90
+def test_gpu_hopper_kernel_leaves_an_unaligned_cache_to_the_tl_dot_kernel():
+    c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 1000], seed=9)
+    cache = c["kv_cache"]
+    flat = torch.empty(cache.numel() + 1, dtype=cache.dtype, device=cache.device)
+    flat[1:].copy_(cache.reshape(-1))
+    c["kv_cache"] = flat[1:].view(cache.shape)  # rows 2 bytes off 16-byte alignment
+    launch = tk.DecodeLaunch(**c)
+    assert launch.config.kernel == "hopper"
+    out, _ = launch(**{k: v for k, v in c.items() if k != "softmax_scale"})
+    assert launch.config.kernel == "triton"
+    ref, _ = naive_reference(**c)
+    assert rel_l2(out.cpu(), ref) < TOL[torch.bfloat16]
+
+
 # ----------------------------------------------------------------------------- as a backend of the op
 @cpu_only
 def test_backend_through_the_op_eager_and_compiled():

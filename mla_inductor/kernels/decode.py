@@ -328,12 +328,14 @@ if _HAVE_TRITON:
 
 
 class DecodeConfig:
-    """Launch parameters of the decode kernel."""
+    """Launch parameters of the decode kernel. ``kernel``: "triton" (the ``tl.dot`` kernel, every GPU and the
+    interpreter) or "hopper" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense calls
+    on bf16/fp16 or fp8_e4m3 caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
 
-    __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma")
+    __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
     def __init__(self, block_h: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
-                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None):
+                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None, kernel: str = "triton"):
         self.block_h = block_h
         self.block_n = block_n
         self.num_splits = num_splits
@@ -344,10 +346,17 @@ class DecodeConfig:
         self.fp8_qk = fp8_qk
         # fp8 per-tensor caches: run the matrix products in fp16 (None: yes).
         self.fp16_mma = fp16_mma
+        if kernel not in ("triton", "hopper"):
+            raise ValueError(f"kernel: expected 'triton' or 'hopper', got {kernel!r}")
+        self.kernel = kernel
+
+    def with_kernel(self, kernel: str) -> "DecodeConfig":
+        return DecodeConfig(self.block_h, self.block_n, self.num_splits, self.num_warps, self.num_stages,
+                            self.fp8_qk, self.fp16_mma, kernel)
 
     def __repr__(self) -> str:
         return (f"DecodeConfig({self.block_h}, {self.block_n}, ns={self.num_splits}, w={self.num_warps}, "
-                f"st={self.num_stages}, qk={self.fp8_qk}, f16={self.fp16_mma})")
+                f"st={self.num_stages}, qk={self.fp8_qk}, f16={self.fp16_mma}, kernel={self.kernel})")
 
 
 _SM_COUNT = {}
@@ -396,6 +405,13 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
         # Interpreter: any legal shape computes the same thing; small tiles keep it quick.
         block_h = 16 if H <= 16 else 32
         return DecodeConfig(block_h, 16, 1 if kv_len <= 64 else 2, 4, 1)
+    if H > 32 and kv_mode in (_KV_PLAIN, _KV_FP8) and _hopper_kernel_runs_on(device):
+        # The Gluon kernel (decode_hopper): 1.4-1.7x the tl.dot kernel's speed at H=128 on an H100
+        # (docs/triton_notes.md); ~225 KB of shared memory, one program per SM. DecodeLaunch falls back to the
+        # tl.dot kernel (same tiling and splits) for calls it does not cover (sparse, other L/R or dtypes).
+        block_n, stages = _hopper().TILINGS[0]
+        ns = choose_splits(T, -(-H // 64), kv_len, block_n, _sm_count(device))
+        return DecodeConfig(64, block_n, ns, 8, stages, kernel="hopper")
     if H > 32:
         # 64 heads per program on wgmma; BLOCK_N=64 halves the per-tile fixed costs against 32
         # (H100, B=64 H=128 S=4096 bf16: 323 us vs 426 us), at ~220 KB of shared memory: one program per SM.
@@ -410,6 +426,30 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
 
 
 _LAST_COMPILED = None  # most recent compiled decode kernel (benchmarks read its register/spill report)
+
+
+def _hopper():
+    from mla_inductor.kernels import decode_hopper
+
+    return decode_hopper
+
+
+def _hopper_kernel_runs_on(device: torch.device) -> bool:
+    """Whether the Gluon kernel can run on ``device``: an SM90 GPU and a Triton with Gluon's Hopper ops."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and _hopper().HAVE_GLUON)
+
+
+def _hopper_kernel_covers(q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_mode: int, L: int, R: int,
+                          sparse: bool, kv_row_stride: int) -> bool:
+    """Whether a call is one the Gluon kernel is written for (its device already chosen by choose_config).
+    Its cache rows are copied 16 bytes at a time, which needs a row stride of a multiple of 16 elements (what
+    Triton specializes on) and a 16-byte aligned cache (checked per launch: ``DecodeLaunch._launch_main``)."""
+    if sparse or (L, R) != (_hopper().L_DIM, _hopper().R_DIM) or q_dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if kv_row_stride % 16:
+        return False
+    return kv_mode == _KV_FP8 or (kv_mode == _KV_PLAIN and kv_dtype == q_dtype)
 
 
 def _kernel_for(kernel, device: torch.device):
@@ -647,6 +687,9 @@ class DecodeLaunch:
             # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
             kv_len_hint = max(1, block_table.shape[1] * page_size)
         cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
+        if cfg.kernel == "hopper" and not _hopper_kernel_covers(q_nope.dtype, kv_cache.dtype, kv_mode, L, R,
+                                                                self.sparse, kv_cache.stride(1)):
+            cfg = cfg.with_kernel("triton")
         emulate = self.device.type != "cuda"
         self.kernel_scalars = (
             float(softmax_scale) * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -675,9 +718,15 @@ class DecodeLaunch:
         grid = (T * ns * triton.cdiv(H, cfg.block_h),)
         self.splits = ns
         self.partials = None
-        self.main = KernelLaunch(_kernel_for(_mla_decode_kernel, self.device), grid,
-                                 self.kernel_scalars + constants, dict(num_warps=cfg.num_warps,
-                                                                       num_stages=cfg.num_stages))
+        if cfg.kernel == "hopper":
+            # Same arguments; its pipeline depth is a constexpr of its own (Gluon has no num_stages).
+            self.main = KernelLaunch(_hopper().mla_decode_hopper, grid,
+                                     self.kernel_scalars + constants + (cfg.num_stages,),
+                                     dict(num_warps=_hopper().NUM_WARPS))
+        else:
+            self.main = KernelLaunch(_kernel_for(_mla_decode_kernel, self.device), grid,
+                                     self.kernel_scalars + constants, dict(num_warps=cfg.num_warps,
+                                                                           num_stages=cfg.num_stages))
         self.merge = None
         if ns > 1:
             self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H,),
@@ -737,15 +786,27 @@ class DecodeLaunch:
 
     def _launch_main(self, *tensors) -> None:
         global _LAST_COMPILED
+        if self.config.kernel == "hopper" and tensors[2].data_ptr() % 16:
+            # A cache view off 16-byte alignment: the Gluon kernel's copies cannot take it (rare; this launch
+            # keeps the tl.dot kernel from now on).
+            self._use(self.config.with_kernel("triton"))
         while True:
             try:
                 _LAST_COMPILED = self.main(*tensors)
                 return
             except Exception as e:  # noqa: BLE001
                 # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
-                # defaults were tuned on): halve BLOCK_N and retry; the result does not depend on it.
+                # defaults were tuned on): halve BLOCK_N and retry (the Gluon kernel: its smaller tiling, then
+                # the tl.dot kernel); the result does not depend on it.
                 cfg = self.config
                 if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
                     raise
+                if cfg.kernel == "hopper":
+                    smaller = [t for t in _hopper().TILINGS if t[0] < cfg.block_n]
+                    kernel = "hopper" if smaller else "triton"
+                    block_n, stages = smaller[0] if smaller else (cfg.block_n // 2, cfg.num_stages)
+                    self._use(DecodeConfig(cfg.block_h, block_n, cfg.num_splits, cfg.num_warps, stages,
+                                           cfg.fp8_qk, cfg.fp16_mma, kernel))
+                    continue
                 self._use(DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
                                        cfg.fp8_qk, cfg.fp16_mma))

@@ -1,0 +1,120 @@
+"""The Gluon kernel for SM90 (mla_inductor/kernels/decode_hopper.py) on a CPU machine: Gluon has no
+interpreter, so these tests compile it for SM90 with the installed Triton (what a Hopper user's first call
+does) and check when DecodeLaunch chooses it. Its values are checked on the GPU in test_triton_kernels.py
+(``test_gpu_hopper_kernel*``)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mla_inductor.kernels import decode as dk  # noqa: E402
+from mla_inductor.kernels import decode_hopper as dh  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not dh.HAVE_GLUON, reason="this Triton has no Gluon Hopper ops "
+                                                          "(triton.experimental.gluon...hopper)")
+H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
+
+
+def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = dh.mla_decode_hopper
+    names = fn.arg_names
+    kv = {0: "*" + qdt, 1: "*fp8e4nv"}[kv_mode]
+    sig = {"QN": "*" + qdt, "QP": "*" + qdt, "KV": kv, "BT": "*i32", "SEQ": "*i32", "SPARSE": "*i32",
+           "KV_SCALE": "*fp32", "OUT": "*" + qdt, "LSE": "*fp32", "POUT": "*fp32", "PLSE": "*fp32",
+           "qk_scale": "fp32"}
+    for n in names[len(sig):names.index("L")]:
+        sig[n] = "i32"
+    const = dict(L=512, R=64, PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=block_n, NUM_SPLITS=splits, KV_MODE=kv_mode,
+                 IS_SPARSE=False, DOT_PREC="tf32", EMULATE=False, TRANS_LOAD=False, SWAP_QK=False, FP16_MMA=False,
+                 STAGES=stages)
+    for k in const:
+        sig[k] = "constexpr"
+    # What Triton's JIT specializes a real launch on: 16-byte aligned pointers, strides divisible by 16.
+    div = [["tt.divisibility", 16]]
+    attrs = {(i,): div for i in range(11)}
+    for n in ("stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_kv_row", "stride_bt_b",
+              "stride_sp_t", "num_slots"):
+        attrs[(names.index(n),)] = div
+    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=dh.NUM_WARPS))
+
+
+CASES = [(kv_mode, qdt, tiling, splits) for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16")]
+         for tiling in dh.TILINGS for splits in (1, 3)]
+
+
+def _compile_all() -> dict:
+    """Compile every case; {case: {shared, wgmma, cp16} or {error}} (run in a process without the interpreter)."""
+    report = {}
+    for kv_mode, qdt, (block_n, stages), splits in CASES:
+        key = f"{kv_mode}-{qdt}-{block_n}-{stages}-{splits}"
+        try:
+            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt)
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
+            report[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+            continue
+        ptx = k.asm["ptx"]
+        report[key] = {"shared": k.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                       "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx))}
+    return report
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    # The CPU suite runs Triton's interpreter (TRITON_INTERPRET=1), under which Gluon cannot compile: compile
+    # in a process of its own without it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_decode_hopper as t; "
+            "print('REPORT' + json.dumps(t._compile_all()))")
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("REPORT")), None)
+    assert line is not None, f"the compile process failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(line[len("REPORT"):])
+
+
+@needs_gluon
+@pytest.mark.parametrize("kv_mode,qdt,tiling,splits", CASES)
+def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits):
+    got = compiled[f"{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}"]
+    assert "error" not in got, got.get("error")
+    assert got["shared"] <= H100_SHARED_BYTES, f"{got['shared']} bytes of shared memory"
+    assert got["wgmma"] > 0, "the products must be wgmma"
+    assert got["cp16"] > 0, "cache rows must be copied 16 bytes at a time"
+
+
+def test_config_on_cpu_is_the_tl_dot_kernel():
+    cfg = dk.choose_config(4, 128, 4096, 0, torch.device("cpu"))
+    assert cfg.kernel == "triton"
+
+
+def test_config_rejects_an_unknown_kernel():
+    with pytest.raises(ValueError, match="kernel"):
+        dk.DecodeConfig(64, 64, 1, 8, 2, kernel="cutlass")
+    cfg = dk.DecodeConfig(64, 64, 3, 8, 2, kernel="hopper")
+    assert cfg.with_kernel("triton").kernel == "triton" and cfg.with_kernel("triton").num_splits == 3
+
+
+@pytest.mark.parametrize("q,kv,mode,L,R,sparse,stride,expected", [
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, False, 576, True),
+    (torch.float16, torch.float16, dk._KV_PLAIN, 512, 64, False, 576, True),
+    (torch.bfloat16, torch.float8_e4m3fn, dk._KV_FP8, 512, 64, False, 576, True),
+    (torch.bfloat16, torch.float16, dk._KV_PLAIN, 512, 64, False, 576, False),  # q and cache differ
+    (torch.float32, torch.float32, dk._KV_PLAIN, 512, 64, False, 576, False),
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 256, 32, False, 288, False),
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, True, 576, False),  # sparse
+    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, False, 656, False),
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, False, 584, False),  # row stride not a multiple of 16
+])
+def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, sparse, stride, expected):
+    assert dk._hopper_kernel_covers(q, kv, mode, L, R, sparse, stride) is expected
