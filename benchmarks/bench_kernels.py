@@ -57,9 +57,9 @@ def _ours(c, kind, config=None):
         from mla_inductor.kernels.decode import DecodeLaunch
 
         default = DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale).config
-        if default.kernel == "triton":
+        if default.kernel == "tl_dot":
             raise SameKernel("the default path already runs the tl.dot kernel here")
-        config = default.with_kernel("triton")
+        config = default.with_kernel("tl_dot")
     return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, None, config), ref, per_tok
 
 

@@ -95,14 +95,14 @@ def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits):
 
 def test_config_on_cpu_is_the_tl_dot_kernel():
     cfg = dk.choose_config(4, 128, 4096, 0, torch.device("cpu"))
-    assert cfg.kernel == "triton"
+    assert cfg.kernel == "tl_dot"
 
 
 def test_config_rejects_an_unknown_kernel():
     with pytest.raises(ValueError, match="kernel"):
         dk.DecodeConfig(64, 64, 1, 8, 2, kernel="cutlass")
-    cfg = dk.DecodeConfig(64, 64, 3, 8, 2, kernel="hopper")
-    assert cfg.with_kernel("triton").kernel == "triton" and cfg.with_kernel("triton").num_splits == 3
+    cfg = dk.DecodeConfig(64, 64, 3, 8, 2, kernel="gluon_sm90")
+    assert cfg.with_kernel("tl_dot").kernel == "tl_dot" and cfg.with_kernel("tl_dot").num_splits == 3
 
 
 @pytest.mark.parametrize("q,kv,mode,L,R,sparse,stride,expected", [

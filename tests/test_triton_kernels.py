@@ -425,10 +425,10 @@ def test_gpu_hopper_kernel(kv, dtype, H, tiling, page, Q, ns):
     c = make_case(B=3, Q=Q, H=H, L=512, R=64, page=page, seq_lens=[700, 0, 64 * 3 + 5], dtype=dtype, kv=kv,
                   seed=H + page)
     poison_unread(c)
-    config = DecodeConfig(64, tiling[0], ns, 8, tiling[1], kernel="hopper")
+    config = DecodeConfig(64, tiling[0], ns, 8, tiling[1], kernel="gluon_sm90")
     check(c, config=config, tol=TOL["fp8" if kv == "fp8" else dtype])
     launch = tk.DecodeLaunch(**c, config=config)
-    assert launch.config.kernel == "hopper"
+    assert launch.config.kernel == "gluon_sm90"
 
 
 @gpu
@@ -436,14 +436,14 @@ def test_gpu_hopper_kernel(kv, dtype, H, tiling, page, Q, ns):
 def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
     c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], seed=5)
     poison_unread(c)
-    assert tk.DecodeLaunch(**c).config.kernel == "hopper"
+    assert tk.DecodeLaunch(**c).config.kernel == "gluon_sm90"
     check(c)
     idx = _sparse_indices(c, topk=256, seed=6)
-    assert tk.DecodeLaunch(**c, sparse_indices=idx).config.kernel == "triton"
+    assert tk.DecodeLaunch(**c, sparse_indices=idx).config.kernel == "tl_dot"
     ds = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="ds", seed=7)
-    assert tk.DecodeLaunch(**ds).config.kernel == "triton"
+    assert tk.DecodeLaunch(**ds).config.kernel == "tl_dot"
     small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
-    assert tk.DecodeLaunch(**small).config.kernel == "triton"
+    assert tk.DecodeLaunch(**small).config.kernel == "tl_dot"
 
 
 @gpu
@@ -455,9 +455,9 @@ def test_gpu_hopper_kernel_leaves_an_unaligned_cache_to_the_tl_dot_kernel():
     flat[1:].copy_(cache.reshape(-1))
     c["kv_cache"] = flat[1:].view(cache.shape)  # rows 2 bytes off 16-byte alignment
     launch = tk.DecodeLaunch(**c)
-    assert launch.config.kernel == "hopper"
+    assert launch.config.kernel == "gluon_sm90"
     out, _ = launch(**{k: v for k, v in c.items() if k != "softmax_scale"})
-    assert launch.config.kernel == "triton"
+    assert launch.config.kernel == "tl_dot"
     ref, _ = naive_reference(**c)
     assert rel_l2(out.cpu(), ref) < TOL[torch.bfloat16]
 

@@ -328,14 +328,14 @@ if _HAVE_TRITON:
 
 
 class DecodeConfig:
-    """Launch parameters of the decode kernel. ``kernel``: "triton" (the ``tl.dot`` kernel, every GPU and the
-    interpreter) or "hopper" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense calls
+    """Launch parameters of the decode kernel. ``kernel``: "tl_dot" (the ``tl.dot`` kernel, every GPU and the
+    interpreter) or "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense calls
     on bf16/fp16 or fp8_e4m3 caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
 
     __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
     def __init__(self, block_h: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
-                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None, kernel: str = "triton"):
+                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None, kernel: str = "tl_dot"):
         self.block_h = block_h
         self.block_n = block_n
         self.num_splits = num_splits
@@ -346,8 +346,8 @@ class DecodeConfig:
         self.fp8_qk = fp8_qk
         # fp8 per-tensor caches: run the matrix products in fp16 (None: yes).
         self.fp16_mma = fp16_mma
-        if kernel not in ("triton", "hopper"):
-            raise ValueError(f"kernel: expected 'triton' or 'hopper', got {kernel!r}")
+        if kernel not in ("tl_dot", "gluon_sm90"):
+            raise ValueError(f"kernel: expected 'tl_dot' or 'gluon_sm90', got {kernel!r}")
         self.kernel = kernel
 
     def with_kernel(self, kernel: str) -> "DecodeConfig":
@@ -411,7 +411,7 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
         # tl.dot kernel (same tiling and splits) for calls it does not cover (sparse, other L/R or dtypes).
         block_n, stages = _hopper().TILINGS[0]
         ns = choose_splits(T, -(-H // 64), kv_len, block_n, _sm_count(device))
-        return DecodeConfig(64, block_n, ns, 8, stages, kernel="hopper")
+        return DecodeConfig(64, block_n, ns, 8, stages, kernel="gluon_sm90")
     if H > 32:
         # 64 heads per program on wgmma; BLOCK_N=64 halves the per-tile fixed costs against 32
         # (H100, B=64 H=128 S=4096 bf16: 323 us vs 426 us), at ~220 KB of shared memory: one program per SM.
@@ -687,9 +687,9 @@ class DecodeLaunch:
             # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
             kv_len_hint = max(1, block_table.shape[1] * page_size)
         cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
-        if cfg.kernel == "hopper" and not _hopper_kernel_covers(q_nope.dtype, kv_cache.dtype, kv_mode, L, R,
+        if cfg.kernel == "gluon_sm90" and not _hopper_kernel_covers(q_nope.dtype, kv_cache.dtype, kv_mode, L, R,
                                                                 self.sparse, kv_cache.stride(1)):
-            cfg = cfg.with_kernel("triton")
+            cfg = cfg.with_kernel("tl_dot")
         emulate = self.device.type != "cuda"
         self.kernel_scalars = (
             float(softmax_scale) * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -718,7 +718,7 @@ class DecodeLaunch:
         grid = (T * ns * triton.cdiv(H, cfg.block_h),)
         self.splits = ns
         self.partials = None
-        if cfg.kernel == "hopper":
+        if cfg.kernel == "gluon_sm90":
             # Same arguments; its pipeline depth is a constexpr of its own (Gluon has no num_stages).
             self.main = KernelLaunch(_hopper().mla_decode_hopper, grid,
                                      self.kernel_scalars + constants + (cfg.num_stages,),
@@ -786,10 +786,10 @@ class DecodeLaunch:
 
     def _launch_main(self, *tensors) -> None:
         global _LAST_COMPILED
-        if self.config.kernel == "hopper" and tensors[2].data_ptr() % 16:
+        if self.config.kernel == "gluon_sm90" and tensors[2].data_ptr() % 16:
             # A cache view off 16-byte alignment: the Gluon kernel's copies cannot take it (rare; this launch
             # keeps the tl.dot kernel from now on).
-            self._use(self.config.with_kernel("triton"))
+            self._use(self.config.with_kernel("tl_dot"))
         while True:
             try:
                 _LAST_COMPILED = self.main(*tensors)
@@ -801,9 +801,9 @@ class DecodeLaunch:
                 cfg = self.config
                 if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
                     raise
-                if cfg.kernel == "hopper":
+                if cfg.kernel == "gluon_sm90":
                     smaller = [t for t in _hopper().TILINGS if t[0] < cfg.block_n]
-                    kernel = "hopper" if smaller else "triton"
+                    kernel = "gluon_sm90" if smaller else "tl_dot"
                     block_n, stages = smaller[0] if smaller else (cfg.block_n // 2, cfg.num_stages)
                     self._use(DecodeConfig(cfg.block_h, block_n, cfg.num_splits, cfg.num_warps, stages,
                                            cfg.fp8_qk, cfg.fp16_mma, kernel))
