@@ -82,6 +82,8 @@ if HAVE_GLUON:
         gl.static_assert(BLOCK_H == 64)
         gl.static_assert(KV_MODE == 0 or KV_MODE == 1)
         gl.static_assert(not IS_SPARSE)
+        # Program order and split ranges as in decode._mla_decode_kernel (one grid, one merge for both kernels);
+        # written out again because a Gluon kernel cannot call a @triton.jit helper.
         NUM_HB = gl.cdiv(H, BLOCK_H)
         pid = gl.program_id(0)
         hb = pid % NUM_HB
