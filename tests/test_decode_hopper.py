@@ -118,3 +118,18 @@ def test_config_rejects_an_unknown_kernel():
 ])
 def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, sparse, stride, expected):
     assert dk._hopper_kernel_covers(q, kv, mode, L, R, sparse, stride) is expected
+
+
+@pytest.mark.parametrize("H,kv_mode,expected", [(128, dk._KV_PLAIN, "gluon_sm90"), (40, dk._KV_FP8, "gluon_sm90"),
+                                                (128, dk._KV_DS, "tl_dot"), (32, dk._KV_PLAIN, "tl_dot"),
+                                                (16, dk._KV_FP8, "tl_dot")])
+def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
+    # What choose_config gives on an SM90 GPU with Gluon, seen from a CPU machine: the Gluon kernel at 64 heads
+    # per program, at the tl.dot kernel's tiling and splits, which must be the Gluon kernel's default tiling.
+    monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
+    cfg = dk._choose_config_cached.__wrapped__(8, H, 4096, kv_mode, "cuda", 0)
+    assert cfg.kernel == expected
+    if expected == "gluon_sm90":
+        assert (cfg.block_n, cfg.num_stages) == dh.TILINGS[0] and cfg.block_h == dh.HEADS_PER_PROGRAM
+        assert cfg.num_warps == dh.NUM_WARPS

@@ -405,13 +405,6 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
         # Interpreter: any legal shape computes the same thing; small tiles keep it quick.
         block_h = 16 if H <= 16 else 32
         return DecodeConfig(block_h, 16, 1 if kv_len <= 64 else 2, 4, 1)
-    if H > 32 and kv_mode in (_KV_PLAIN, _KV_FP8) and _hopper_kernel_runs_on(device):
-        # The Gluon kernel (decode_hopper): 1.4-1.7x the tl.dot kernel's speed at H=128 on an H100
-        # (docs/triton_notes.md); ~225 KB of shared memory, one program per SM. DecodeLaunch falls back to the
-        # tl.dot kernel (same tiling and splits) for calls it does not cover (sparse, other L/R or dtypes).
-        block_n, stages = _hopper().TILINGS[0]
-        ns = choose_splits(T, -(-H // 64), kv_len, block_n, _sm_count(device))
-        return DecodeConfig(64, block_n, ns, 8, stages, kernel="gluon_sm90")
     if H > 32:
         # 64 heads per program on wgmma; BLOCK_N=64 halves the per-tile fixed costs against 32
         # (H100, B=64 H=128 S=4096 bf16: 323 us vs 426 us), at ~220 KB of shared memory: one program per SM.
@@ -422,7 +415,13 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
         block_h, num_warps, block_n, stages, per_sm = 16, 4, 32, 3, 2
     hb = -(-H // block_h)
     ns = choose_splits(T, hb, kv_len, block_n, _sm_count(device) * per_sm)
-    return DecodeConfig(block_h, block_n, ns, num_warps, stages)
+    cfg = DecodeConfig(block_h, block_n, ns, num_warps, stages)
+    if block_h == 64 and kv_mode in (_KV_PLAIN, _KV_FP8) and _hopper_kernel_runs_on(device):
+        # The Gluon kernel (decode_hopper) at the same tiling and splits: 1.5-1.8x the tl.dot kernel's speed at
+        # H=128 from B=16 up on an H100 (docs/triton_notes.md). DecodeLaunch keeps the tl.dot kernel for calls
+        # it does not cover (sparse, other L/R or dtypes).
+        return cfg.with_kernel("gluon_sm90")
+    return cfg
 
 
 _LAST_COMPILED = None  # most recent compiled decode kernel (benchmarks read its register/spill report)
@@ -803,10 +802,9 @@ class DecodeLaunch:
                     raise
                 if cfg.kernel == "gluon_sm90":
                     smaller = [t for t in _hopper().TILINGS if t[0] < cfg.block_n]
-                    kernel = "gluon_sm90" if smaller else "tl_dot"
-                    block_n, stages = smaller[0] if smaller else (cfg.block_n // 2, cfg.num_stages)
-                    self._use(DecodeConfig(cfg.block_h, block_n, cfg.num_splits, cfg.num_warps, stages,
-                                           cfg.fp8_qk, cfg.fp16_mma, kernel))
+                    self._use(DecodeConfig(cfg.block_h, smaller[0][0], cfg.num_splits, cfg.num_warps,
+                                           smaller[0][1], kernel="gluon_sm90") if smaller
+                              else cfg.with_kernel("tl_dot"))
                     continue
                 self._use(DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
                                        cfg.fp8_qk, cfg.fp16_mma))

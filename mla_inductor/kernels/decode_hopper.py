@@ -41,7 +41,8 @@ except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper ops: the tl.do
 HEADS_PER_PROGRAM = 64
 L_DIM, R_DIM = 512, 64
 NUM_WARPS = 8
-# (BLOCK_N, STAGES): 225 KB of shared memory (an H100/H200 program), then the fallback for parts with less.
+# (BLOCK_N, STAGES): the default (decode.choose_config's tiling at 64 heads: ~225 KB of shared memory, one
+# program per SM on an H100/H200), then the fallback for parts with less shared memory.
 TILINGS = ((64, 2), (32, 3))
 
 if HAVE_GLUON:
