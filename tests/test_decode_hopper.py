@@ -65,7 +65,9 @@ def _compile_all() -> dict:
             continue
         ptx = k.asm["ptx"]
         report[key] = {"shared": k.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-                       "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx))}
+                       "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx)),
+                       "ld16": len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
+                       "prefetch": len(re.findall(r"prefetch\.global\.L2", ptx))}
     return report
 
 
@@ -90,7 +92,12 @@ def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits):
     assert "error" not in got, got.get("error")
     assert got["shared"] <= H100_SHARED_BYTES, f"{got['shared']} bytes of shared memory"
     assert got["wgmma"] > 0, "the products must be wgmma"
-    assert got["cp16"] > 0, "cache rows must be copied 16 bytes at a time"
+    if kv_mode == 0:
+        assert got["cp16"] > 0, "cache rows must be copied 16 bytes at a time"
+    else:
+        # e4m3 tiles go through registers to be widened: 16-byte loads, prefetched into L2 ahead.
+        assert got["ld16"] > 0, "cache rows must be loaded 16 bytes at a time"
+        assert got["prefetch"] > 0, "the tile after the next must be prefetched into L2"
 
 
 def test_config_on_cpu_is_the_tl_dot_kernel():

@@ -9,15 +9,16 @@ shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_not
   logits tile (1.53x the useful tensor work at H=128).
 * P goes to shared memory once and both warpgroups read it as the A operand of the output product; the
   row max and sum cross the warpgroups through Gluon's reductions.
-* Each KV tile is copied once (cp.async, 16 bytes per copy) into the wgmma operand layout and read by both
-  products straight from shared memory: K^T through a transposed view for the logits, the first 512
+* bf16/fp16: each KV tile is copied once (cp.async, 16 bytes per copy) into the wgmma operand layout and read
+  by both products straight from shared memory: K^T through a transposed view for the logits, the first 512
   columns as V. STAGES - 1 tiles are in flight while one is computed.
-* fp8_e4m3 tiles land in staging buffers and are widened once per tile to fp16 (one cvt per pair; q is
-  pre-scaled by 2^-8 so fp16 cannot overflow) into the tile both products read; the per-tensor scale goes
-  onto the logits and the output.
+* fp8_e4m3: tiles are loaded to registers (16-byte loads) and widened to fp16 (one cvt per pair; q is
+  pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the tensor cores compute the
+  logits of the other; each tile's rows are looked up a tile ahead and prefetched into L2 two tiles ahead.
+  The per-tensor scale goes onto the logits and the output.
 
 Keys past a row's range, and slots outside the cache, are never read: their copies are predicated off and
-land as zeros, and their logits are -inf. A row that sees no key writes out 0 and lse -inf.
+load as zeros, and their logits are -inf. A row that sees no key writes out 0 and lse -inf.
 Gluon has no interpreter: CPU tests compile this kernel for SM90 (``tests/test_decode_hopper.py``), GPU tests
 run it against the reference.
 """
@@ -47,22 +48,106 @@ TILINGS = ((64, 2), (32, 3))
 
 if HAVE_GLUON:
     @gluon.jit
+    def _cache_rows(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """Row pointers of keys [start, start + BLOCK_N) in the cache and whether each may be read (keys past
+        ``hi`` and slots outside the cache may not), as a slice of ``layout``."""
+        offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        tmask = offs_n < hi
+        page = gl.load(BT + b.to(gl.int64) * stride_bt_b + offs_n // PAGE_SIZE, mask=tmask, other=0)
+        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+        valid = tmask & (slot >= 0) & (slot < num_slots)
+        return KV + gl.where(valid, slot, 0).to(gl.int64) * stride_kv_row, valid
+
+    @gluon.jit
     def _load_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, kn_buf, kr_buf,
                    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                    ld_layout: gl.constexpr):
         """cp.async of the cache rows of keys [start, start + BLOCK_N) into kn_buf (latent) / kr_buf (rope); keys
         past ``hi`` or on slots outside the cache are never read and land as zeros."""
-        offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
-        tmask = offs_n < hi
-        page = gl.load(BT + b.to(gl.int64) * stride_bt_b + offs_n // PAGE_SIZE, mask=tmask, other=0)
-        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        valid = tmask & (slot >= 0) & (slot < num_slots)
-        slot = gl.where(valid, slot, 0)
-        row = KV + slot.to(gl.int64) * stride_kv_row
+        row, valid = _cache_rows(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE, BLOCK_N,
+                                 ld_layout)
         offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))
         _cp_async(kn_buf, row[:, None] + offs_l[None, :], mask=valid[:, None])
         offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))
         _cp_async(kr_buf, row[:, None] + L + offs_r[None, :], mask=valid[:, None])
+
+    @gluon.jit
+    def _load_columns(rows, valid, col0, COLS: gl.constexpr, layout: gl.constexpr):
+        """Columns [col0, col0 + COLS) of the cache rows ``rows`` in registers (zeros where not ``valid``)."""
+        offs = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        return gl.load(rows[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
+
+    @gluon.jit
+    def _widen_tile(rows, ok, kn_wide, kr_wide, L: gl.constexpr, R: gl.constexpr, layout: gl.constexpr,
+                    cdt: gl.constexpr):
+        """The e4m3 cache rows ``rows`` (16-byte loads; zeros where not ``ok``) widened to ``cdt`` into kn_wide /
+        kr_wide."""
+        kn_wide.store(_load_columns(rows, ok, 0, L, layout).to(cdt))
+        kr = _load_columns(rows, ok, L, R, layout)
+        kr_wide.store(kr.to(cdt))
+
+    @gluon.jit
+    def _prefetch_l2(rows, ROW_BYTES: gl.constexpr, layout: gl.constexpr):
+        """Prefetch the cache rows ``rows`` (ROW_BYTES each, at most 7 lines of 128 bytes) into L2: eight bytes
+        per row spread so that every line of it is touched."""
+        gl.static_assert(ROW_BYTES <= 7 * 128)
+        offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * (ROW_BYTES // 7), ROW_BYTES - 1)
+        addr = rows.to(gl.int64, bitcast=True)[:, None] + offs[None, :]
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _fp8_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem, kn, kr,
+                  kn_next, kr_next, rows_next, ok_next, m_i, l_i, acc, qk_scale, offs_n_s, L: gl.constexpr,
+                  R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                  f_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, cdt: gl.constexpr):
+        """One e4m3 tile whose keys start at ``start``, already widened into kn / kr: its logits, and while they run
+        the next tile (cache rows ``rows_next``) widened into kn_next / kr_next; then softmax and P V. Returns
+        (m_i, l_i, acc, the cache rows of the tile after the next)."""
+        # The L2 prefetch's layout: [32 rows, 8 bytes each] per pass, no replicas at BLOCK_N=64.
+        pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
+        fence_async_shared()
+        _cta_barrier()  # this tile visible to both warpgroups; every warp is done with the previous tile
+        s_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        s_acc = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_acc, is_async=True)
+        # The next tile's loads are issued here, not a tile earlier: registers held across the loop's back edge
+        # (with the [64, 512] fp32 accumulator) spill. Its row pointers were looked up a tile earlier, so the
+        # block-table load is not in the chain.
+        if start + BLOCK_N < hi:  # (uniform across the program) a split's last tile has no next tile to widen
+            _widen_tile(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
+        rows2, ok2 = _cache_rows(KV, BT, b, start + 2 * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
+                                 BLOCK_N, f_layout)
+        # The same rows in the prefetch's layout (a second block-table lookup is cheaper than a layout conversion,
+        # which would cost a CTA barrier); prefetched while P V runs. Rows that may not be read stand for row 0.
+        rows_pf, _ = _cache_rows(KV, BT, b, start + 2 * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
+                                 BLOCK_N, pf_layout)
+        s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
+        m_i, l_i, acc = _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, start, hi, qk_scale, offs_n_s, o_layout)
+        if start + 2 * BLOCK_N < hi:
+            _prefetch_l2(rows_pf, L + R, pf_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return m_i, l_i, acc, rows2, ok2
+
+    @gluon.jit
+    def _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, start, hi, qk_scale, offs_n_s, o_layout: gl.constexpr):
+        """One tile after its logits ``s_acc``: online softmax, P through shared memory to both warpgroups, then
+        issues acc += P V with V = the tile's latent columns ``kn``. Returns (m_i, l_i, acc in flight)."""
+        qk = gl.where((start + offs_n_s < hi)[None, :], s_acc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(qk - m_new[:, None])
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        _cta_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        # Left in flight: the caller waits (after issuing its next loads).
+        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+        # The row sum crosses the warpgroups (shared memory and a barrier): off the path to P V, it runs while the
+        # tensor cores do.
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return m_new, l_i, acc
 
     @gluon.jit
     def mla_decode_hopper(
@@ -123,16 +208,6 @@ if HAVE_GLUON:
         qn_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, L], qn_sl)
         qr_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, R], qr_sl)
         p_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, BLOCK_N], p_sl)
-        if KV_MODE == 1:
-            # The e4m3 tiles land in staging buffers; each tile is widened once into the fp16 tile both products read.
-            kdt: gl.constexpr = KV.dtype.element_ty
-            kn_stage = gl.allocate_shared_memory(kdt, [STAGES, BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], kdt))
-            kr_stage = gl.allocate_shared_memory(kdt, [STAGES, BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], kdt))
-            kn_wide = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
-            kr_wide = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
-        else:
-            kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
-            kr_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, R], kr_sl)
 
         # q: [64 heads, 512 + 64], rows past H read as zeros.
         offs_h_ld = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
@@ -150,60 +225,66 @@ if HAVE_GLUON:
             qp = (qp.to(gl.float32) * 0.00390625).to(cdt)
         qr_smem.store(qp)
 
-        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        for s in gl.static_range(STAGES - 1):
-            if s < n_tiles:
-                _load_tile(KV, BT, b, lo + s * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, kn_stage.index(s),
-                           kr_stage.index(s), L, R, PAGE_SIZE, BLOCK_N, ld_layout)
-            async_copy.commit_group()
-
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
         offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 
-        for i in range(n_tiles):
-            stage = i % STAGES
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _cta_barrier()  # tile i visible to both warpgroups; every warp is done with tile i - 1
-            nxt = i + STAGES - 1
-            if nxt < n_tiles:
-                _load_tile(KV, BT, b, lo + nxt * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots,
-                           kn_stage.index(nxt % STAGES), kr_stage.index(nxt % STAGES), L, R, PAGE_SIZE, BLOCK_N, ld_layout)
-            async_copy.commit_group()
-
-            if KV_MODE == 1:
-                # Every warp is past the previous tile's products (the barrier above), so the wide tile is free.
-                kn_wide.store(kn_stage.index(stage).load(ld_layout).to(cdt))
-                kr_wide.store(kr_stage.index(stage).load(ld_layout).to(cdt))
+        if KV_MODE == 1:
+            # e4m3 tiles are widened into one of two fp16 tiles while the tensor cores compute the logits of the
+            # other: the widening is off the critical path. Two wide tiles take the shared memory of the bf16
+            # path's two cp.async stages. The two are separate allocations and the loop takes two tiles a turn so
+            # that each tile's buffers are known at compile time (with one [2, ...] buffer, Triton puts a CTA
+            # barrier before every store of the widening: it cannot tell the halves apart).
+            f_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
+            kn_a = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
+            kr_a = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
+            kn_b = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
+            kr_b = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
+            rows, ok = _cache_rows(KV, BT, b, lo, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE, BLOCK_N,
+                                   f_layout)
+            _widen_tile(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
+            rows, ok = _cache_rows(KV, BT, b, lo + BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
+                                   BLOCK_N, f_layout)
+            for i in range(0, n_tiles, 2):
+                m_i, l_i, acc, rows, ok = _fp8_tile(
+                    KV, BT, b, lo + i * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem,
+                    kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_i, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE, BLOCK_H,
+                    BLOCK_N, f_layout, s_layout, o_layout, cdt)
+                if i + 1 < n_tiles:
+                    m_i, l_i, acc, rows, ok = _fp8_tile(
+                        KV, BT, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem,
+                        p_smem, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_i, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE,
+                        BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt)
+        else:
+            kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
+            kr_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, R], kr_sl)
+            for s in gl.static_range(STAGES - 1):
+                if s < n_tiles:
+                    _load_tile(KV, BT, b, lo + s * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots,
+                               kn_stage.index(s), kr_stage.index(s), L, R, PAGE_SIZE, BLOCK_N, ld_layout)
+                async_copy.commit_group()
+            for i in range(n_tiles):
+                stage = i % STAGES
+                async_copy.wait_group(STAGES - 2)
                 fence_async_shared()
-                _cta_barrier()
-                kn = kn_wide
-                kr = kr_wide
-            else:
+                _cta_barrier()  # tile i visible to both warpgroups; every warp is done with tile i - 1
+                nxt = i + STAGES - 1
+                if nxt < n_tiles:
+                    _load_tile(KV, BT, b, lo + nxt * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots,
+                               kn_stage.index(nxt % STAGES), kr_stage.index(nxt % STAGES), L, R, PAGE_SIZE, BLOCK_N,
+                               ld_layout)
+                async_copy.commit_group()
                 kn = kn_stage.index(stage)
-                kr = kr_stage.index(stage)
-            s_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-            s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
-            s_acc = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_acc, is_async=True)
-            s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
-
-            t = lo + i * BLOCK_N + offs_n_s
-            qk = gl.where((t < hi)[None, :], s_acc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(qk, 1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            p_smem.store(p.to(cdt))
-            fence_async_shared()
-            _cta_barrier()
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-
-        async_copy.wait_group(0)
+                s_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+                s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
+                s_acc = warpgroup_mma(qr_smem, kr_stage.index(stage).permute((1, 0)), s_acc, is_async=True)
+                s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
+                m_i, l_i, acc = _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, lo + i * BLOCK_N, hi, qk_scale,
+                                            offs_n_s, o_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            async_copy.wait_group(0)
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
         if KV_MODE == 1:
