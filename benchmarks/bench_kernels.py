@@ -112,7 +112,7 @@ def _failed(label, name, e) -> str:
     return f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
 
 
-OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8")
+OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds")
 OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds")
 
 

@@ -28,7 +28,7 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
 
     fn = dh.mla_decode_hopper
     names = fn.arg_names
-    kv = {0: "*" + qdt, 1: "*fp8e4nv"}[kv_mode]
+    kv = {0: "*" + qdt, 1: "*fp8e4nv", 2: "*fp8e4nv"}[kv_mode]  # fp8_ds_mla rows are read through an e4m3 pointer
     sig = {"QN": "*" + qdt, "QP": "*" + qdt, "KV": kv, "BT": "*i32", "SEQ": "*i32", "SPARSE": "*i32",
            "KV_SCALE": "*fp32", "OUT": "*" + qdt, "LSE": "*fp32", "POUT": "*fp32", "PLSE": "*fp32",
            "qk_scale": "fp32"}
@@ -49,7 +49,7 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
                           options=dict(num_warps=dh.NUM_WARPS))
 
 
-CASES = [(kv_mode, qdt, tiling, splits) for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16")]
+CASES = [(kv_mode, qdt, tiling, splits) for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16"), (2, "bf16")]
          for tiling in dh.TILINGS for splits in (1, 3)]
 
 
@@ -95,7 +95,7 @@ def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits):
     if kv_mode == 0:
         assert got["cp16"] > 0, "cache rows must be copied 16 bytes at a time"
     else:
-        # e4m3 tiles go through registers to be widened: 16-byte loads, prefetched into L2 ahead.
+        # e4m3 and fp8_ds_mla tiles go through registers to be widened: 16-byte loads, prefetched into L2 ahead.
         assert got["ld16"] > 0, "cache rows must be loaded 16 bytes at a time"
         assert got["prefetch"] > 0, "the tile after the next must be prefetched into L2"
 
@@ -120,7 +120,8 @@ def test_config_rejects_an_unknown_kernel():
     (torch.float32, torch.float32, dk._KV_PLAIN, 512, 64, False, 576, False),
     (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 256, 32, False, 288, False),
     (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, True, 576, False),  # sparse
-    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, False, 656, False),
+    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, False, 656, True),
+    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, True, 656, False),  # sparse fp8_ds_mla
     (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, False, 584, False),  # row stride not a multiple of 16
 ])
 def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, sparse, stride, expected):
@@ -128,7 +129,7 @@ def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, sparse, stride, 
 
 
 @pytest.mark.parametrize("H,kv_mode,expected", [(128, dk._KV_PLAIN, "gluon_sm90"), (40, dk._KV_FP8, "gluon_sm90"),
-                                                (128, dk._KV_DS, "tl_dot"), (32, dk._KV_PLAIN, "tl_dot"),
+                                                (128, dk._KV_DS, "gluon_sm90"), (32, dk._KV_PLAIN, "tl_dot"),
                                                 (16, dk._KV_FP8, "tl_dot")])
 def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
     # What choose_config gives on an SM90 GPU with Gluon, seen from a CPU machine: the Gluon kernel at 64 heads

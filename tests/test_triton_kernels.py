@@ -48,8 +48,9 @@ def rel_l2(a, b):
 
 
 def make_case(B, Q, H, L, R, page, seq_lens, dtype=torch.bfloat16, kv="same", seed=0, extra_pages=3,
-              device=DEV, q_strided=False):
-    """Random inputs; pages scattered, block-table tail filled with -1 garbage."""
+              device=DEV, q_strided=False, cache_gain=1.0):
+    """Random inputs; pages scattered, block-table tail filled with -1 garbage. ``cache_gain`` scales the
+    cache's values (before quantization)."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     npages = [(int(n) + page - 1) // page for n in seq_lens]
@@ -72,7 +73,7 @@ def make_case(B, Q, H, L, R, page, seq_lens, dtype=torch.bfloat16, kv="same", se
     else:
         qn = (torch.randn(T, H, L, generator=g) * 0.5).to(qd).to(device)
         qp = (torch.randn(T, H, R, generator=g) * 0.5).to(qd).to(device)
-    raw = torch.randn(total, page, L + R, generator=g)
+    raw = torch.randn(total, page, L + R, generator=g) * cache_gain
     kv_scale = torch.tensor([1.0], dtype=torch.float32)
     if kv == "same":
         cache = raw.to(qd)
@@ -411,13 +412,16 @@ def poison_unread(case):
     drop = (~keep).to(cache.device)
     if rows.dtype == torch.float8_e4m3fn:
         rows.view(torch.uint8)[drop] = 0x7F  # e4m3fn NaN
+    elif rows.dtype == torch.uint8:
+        rows[drop] = 0x7F  # fp8_ds_mla: e4m3 NaN latents, scales and rope values of ~3.4e38
     else:
         rows[drop] = float("nan")
 
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("same", torch.float16), ("fp8", "fp8")])
+@pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("same", torch.float16), ("fp8", "fp8"),
+                                      ("ds", "fp8")])
 @pytest.mark.parametrize("H", [40, 128])
 @pytest.mark.parametrize("tiling", [(64, 2), (32, 3)])
 @pytest.mark.parametrize("page,Q,ns", [(64, 1, 1), (7, 2, 3), (1, 1, 2), (16, 4, 1)])
@@ -426,7 +430,7 @@ def test_gpu_hopper_kernel(kv, dtype, H, tiling, page, Q, ns):
                   seed=H + page)
     poison_unread(c)
     config = DecodeConfig(64, tiling[0], ns, 8, tiling[1], kernel="gluon_sm90")
-    check(c, config=config, tol=TOL["fp8" if kv == "fp8" else dtype])
+    check(c, config=config, tol=TOL[kv if kv in ("fp8", "ds") else dtype])
     launch = tk.DecodeLaunch(**c, config=config)
     assert launch.config.kernel == "gluon_sm90"
 
@@ -441,9 +445,47 @@ def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
     idx = _sparse_indices(c, topk=256, seed=6)
     assert tk.DecodeLaunch(**c, sparse_indices=idx).config.kernel == "tl_dot"
     ds = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="ds", seed=7)
-    assert tk.DecodeLaunch(**ds).config.kernel == "tl_dot"
+    assert tk.DecodeLaunch(**ds).config.kernel == "gluon_sm90"
+    check(ds, tol=TOL["ds"])
     small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
     assert tk.DecodeLaunch(**small).config.kernel == "tl_dot"
+
+
+@gpu
+@needs_sm90
+def test_gpu_hopper_kernel_fp8_ds_mla_values_beyond_fp16():
+    # The Gluon kernel dequantizes fp8_ds_mla tiles into fp16 at 2^-8 of their value: cache values of ~1e5 (past
+    # fp16's 65504) must not overflow. The logits are then ~1e4 and the softmax nearly one-hot: out is compared
+    # as usual, lse relative to its size (fp16 operands: ~1e-3 of a logit).
+    c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[700, 129], dtype="fp8", kv="ds", seed=11,
+                  cache_gain=1e5)
+    poison_unread(c)
+    assert tk.DecodeLaunch(**c).config.kernel == "gluon_sm90"
+    out, lse = run_checked(c)
+    ref_o, ref_l = naive_reference(**c)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_l2(out.cpu(), ref_o) < TOL["ds"]
+    assert ((lse.cpu().double() - ref_l).abs() <= 1e-3 * ref_l.abs()).all()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("kv,q_gain,cache_gain,seed", [("fp8", 2e5, 1.0, 12), ("ds", 1.0, 1e5, 11)])
+def test_gpu_hopper_kernel_values_beyond_fp16(kv, q_gain, cache_gain, seed):
+    # The Gluon kernel computes fp8 products in fp16 with q (fp8_e4m3) or q and the dequantized cache
+    # (fp8_ds_mla) at 2^-8 of their values: values of ~1e5 (past fp16's 65504) must not overflow. The logits are
+    # then ~1e4 and the softmax nearly one-hot: out is compared as usual, lse relative to its size.
+    c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[700, 129], dtype="fp8", kv=kv, seed=seed,
+                  cache_gain=cache_gain)
+    c["q_nope"] = c["q_nope"] * q_gain
+    c["q_pe"] = c["q_pe"] * q_gain
+    poison_unread(c)
+    assert tk.DecodeLaunch(**c).config.kernel == "gluon_sm90"
+    out, lse = run_checked(c)
+    ref_o, ref_l = naive_reference(**c)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_l2(out.cpu(), ref_o) < TOL[kv]
+    assert ((lse.cpu().double() - ref_l).abs() <= 1e-3 * ref_l.abs()).all()
 
 
 @gpu

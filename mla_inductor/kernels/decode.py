@@ -330,7 +330,7 @@ if _HAVE_TRITON:
 class DecodeConfig:
     """Launch parameters of the decode kernel. ``kernel``: "tl_dot" (the ``tl.dot`` kernel, every GPU and the
     interpreter) or "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense calls
-    on bf16/fp16 or fp8_e4m3 caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
+    on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
 
     __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
@@ -416,10 +416,10 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
     hb = -(-H // block_h)
     ns = choose_splits(T, hb, kv_len, block_n, _sm_count(device) * per_sm)
     cfg = DecodeConfig(block_h, block_n, ns, num_warps, stages)
-    if block_h == 64 and kv_mode in (_KV_PLAIN, _KV_FP8) and _hopper_kernel_runs_on(device):
+    if block_h == 64 and _hopper_kernel_runs_on(device):
         # The Gluon kernel (decode_hopper) at the same tiling and splits: 1.5-1.8x the tl.dot kernel's speed at
-        # H=128 from B=16 up on an H100 (docs/triton_notes.md). DecodeLaunch keeps the tl.dot kernel for calls
-        # it does not cover (sparse, other L/R or dtypes).
+        # H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla; docs/benchmarks.md section 1). DecodeLaunch keeps
+        # the tl.dot kernel for calls it does not cover (sparse, other L/R or dtypes).
         return cfg.with_kernel("gluon_sm90")
     return cfg
 
@@ -448,7 +448,7 @@ def _hopper_kernel_covers(q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_mode: 
         return False
     if kv_row_stride % 16:
         return False
-    return kv_mode == _KV_FP8 or (kv_mode == _KV_PLAIN and kv_dtype == q_dtype)
+    return kv_mode in (_KV_FP8, _KV_DS) or (kv_mode == _KV_PLAIN and kv_dtype == q_dtype)
 
 
 def _kernel_for(kernel, device: torch.device):

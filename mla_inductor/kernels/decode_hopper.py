@@ -1,7 +1,7 @@
 """The Hopper (SM90) MLA paged-decode kernel, written in Gluon (Triton's explicit-layout dialect).
 
-Same arguments and outputs as ``decode._mla_decode_kernel`` for dense calls on bf16/fp16 and fp8_e4m3 caches
-with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split merge is
+Same arguments and outputs as ``decode._mla_decode_kernel`` for dense calls on bf16/fp16, fp8_e4m3 and
+fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split merge is
 shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_notes.md, "Open"):
 
 * The two warpgroups of the program split every product by columns (warps [4, 2]): the logits tile by key
@@ -16,6 +16,9 @@ shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_not
   pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the tensor cores compute the
   logits of the other; each tile's rows are looked up a tile ahead and prefetched into L2 two tiles ahead.
   The per-tensor scale goes onto the logits and the output.
+* fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied, the bf16 rope
+  copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite; the logits get 2^16 back and
+  the output 2^8. Both products are then plain fp16 products.
 
 Keys past a row's range, and slots outside the cache, are never read: their copies are predicated off and
 load as zeros, and their logits are -inf. A row that sees no key writes out 0 and lse -inf.
@@ -88,6 +91,34 @@ if HAVE_GLUON:
         kr_wide.store(kr.to(cdt))
 
     @gluon.jit
+    def _times_2_to_the_minus_8(x):
+        """x * 2^-8 (fp32), opaque to LLVM: a multiply by a constant followed by a truncation to fp16 is otherwise
+        rewritten as the truncation followed by an fp16 multiply (seen in the PTX), which overflows for values past
+        65504 that the scaling was there to bring into range."""
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3B800000;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _widen_tile_ds(rows, ok, kn_wide, kr_wide, L: gl.constexpr, R: gl.constexpr, layout: gl.constexpr,
+                       cdt: gl.constexpr):
+        """fp8_ds_mla cache rows ``rows`` (read through an e4m3 pointer: 512 e4m3, four fp32 scales, one per 128
+        latent values, 64 bf16 rope values) dequantized to ``cdt`` into kn_wide / kr_wide (zeros where not
+        ``ok``), at 2^-8 of their value (the caller's choice of range for fp16). The scales are applied here, so
+        both products are plain ``cdt`` products."""
+        gl.static_assert(L == 512)
+        sc = (rows + L).to(gl.pointer_type(gl.float32), bitcast=True)
+        s0 = gl.load(sc, mask=ok, other=0.0) * 0.00390625
+        s1 = gl.load(sc + 1, mask=ok, other=0.0) * 0.00390625
+        s2 = gl.load(sc + 2, mask=ok, other=0.0) * 0.00390625
+        s3 = gl.load(sc + 3, mask=ok, other=0.0) * 0.00390625
+        cols = gl.arange(0, L, layout=gl.SliceLayout(0, layout))[None, :]
+        scale = gl.where(cols < 256, gl.where(cols < 128, s0[:, None], s1[:, None]),
+                         gl.where(cols < 384, s2[:, None], s3[:, None]))
+        kn_wide.store((_load_columns(rows, ok, 0, L, layout).to(gl.float32) * scale).to(cdt))
+        rope = (rows + L + 16).to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        kr_wide.store(_times_2_to_the_minus_8(_load_columns(rope, ok, 0, R, layout).to(gl.float32)).to(cdt))
+
+    @gluon.jit
     def _prefetch_l2(rows, ROW_BYTES: gl.constexpr, layout: gl.constexpr):
         """Prefetch the cache rows ``rows`` (ROW_BYTES each, at most 7 lines of 128 bytes) into L2: eight bytes
         per row spread so that every line of it is touched."""
@@ -101,9 +132,11 @@ if HAVE_GLUON:
     def _fp8_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem, kn, kr,
                   kn_next, kr_next, rows_next, ok_next, m_i, l_i, acc, qk_scale, offs_n_s, L: gl.constexpr,
                   R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                  f_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, cdt: gl.constexpr):
-        """One e4m3 tile whose keys start at ``start``, already widened into kn / kr: its logits, and while they run
-        the next tile (cache rows ``rows_next``) widened into kn_next / kr_next; then softmax and P V. Returns
+                  f_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, cdt: gl.constexpr,
+                  KV_MODE: gl.constexpr):
+        """One e4m3 (KV_MODE 1) or fp8_ds_mla (2) tile whose keys start at ``start``, already widened into kn / kr:
+        its logits, and while they run the next tile (cache rows ``rows_next``) widened into kn_next / kr_next;
+        then softmax and P V. Returns
         (m_i, l_i, acc, the cache rows of the tile after the next)."""
         # The L2 prefetch's layout: [32 rows, 8 bytes each] per pass, no replicas at BLOCK_N=64.
         pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
@@ -116,7 +149,10 @@ if HAVE_GLUON:
         # (with the [64, 512] fp32 accumulator) spill. Its row pointers were looked up a tile earlier, so the
         # block-table load is not in the chain.
         if start + BLOCK_N < hi:  # (uniform across the program) a split's last tile has no next tile to widen
-            _widen_tile(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
+            if KV_MODE == 1:
+                _widen_tile(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
+            else:
+                _widen_tile_ds(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
         rows2, ok2 = _cache_rows(KV, BT, b, start + 2 * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
                                  BLOCK_N, f_layout)
         # The same rows in the prefetch's layout (a second block-table lookup is cheaper than a layout conversion,
@@ -126,7 +162,7 @@ if HAVE_GLUON:
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
         m_i, l_i, acc = _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, start, hi, qk_scale, offs_n_s, o_layout)
         if start + 2 * BLOCK_N < hi:
-            _prefetch_l2(rows_pf, L + R, pf_layout)
+            _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_i, l_i, acc, rows2, ok2
 
@@ -166,7 +202,7 @@ if HAVE_GLUON:
         STAGES: gl.constexpr,
     ):
         gl.static_assert(BLOCK_H == 64)
-        gl.static_assert(KV_MODE == 0 or KV_MODE == 1)
+        gl.static_assert(KV_MODE == 0 or KV_MODE == 1 or KV_MODE == 2)
         gl.static_assert(not IS_SPARSE)
         # Program order and split ranges as in decode._mla_decode_kernel (one grid, one merge for both kernels);
         # written out again because a Gluon kernel cannot call a @triton.jit helper.
@@ -190,6 +226,12 @@ if HAVE_GLUON:
             cdt: gl.constexpr = gl.float16
             kv_scale = gl.load(KV_SCALE)
             qk_scale = qk_scale * 256.0 * kv_scale
+        elif KV_MODE == 2:
+            # fp8_ds_mla: the tiles are dequantized into fp16 (11 significant bits: the rounding of e4m3 x scale
+            # stays well below bf16's) at 2^-8 of their value, q too, so neither can overflow fp16 for values up to
+            # ~1.7e7; the logits get 2^16 back and the output 2^8.
+            cdt: gl.constexpr = gl.float16
+            qk_scale = qk_scale * 65536.0
         else:
             cdt: gl.constexpr = QN.dtype.element_ty
         # Layouts. Loads: 16-byte vectors along the latent dim; MMA results: two warpgroups side by side.
@@ -216,13 +258,13 @@ if HAVE_GLUON:
         offs_r_ld = gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))
         qn = gl.load(QN + row.to(gl.int64) * stride_qn_t + offs_h_ld[:, None] * stride_qn_h + offs_l_ld[None, :],
                      mask=hmask_ld[:, None], other=0.0)
-        if KV_MODE == 1:
-            qn = (qn.to(gl.float32) * 0.00390625).to(cdt)
+        if KV_MODE != 0:
+            qn = _times_2_to_the_minus_8(qn.to(gl.float32)).to(cdt)
         qn_smem.store(qn)
         qp = gl.load(QP + row.to(gl.int64) * stride_qp_t + offs_h_ld[:, None] * stride_qp_h + offs_r_ld[None, :],
                      mask=hmask_ld[:, None], other=0.0)
-        if KV_MODE == 1:
-            qp = (qp.to(gl.float32) * 0.00390625).to(cdt)
+        if KV_MODE != 0:
+            qp = _times_2_to_the_minus_8(qp.to(gl.float32)).to(cdt)
         qr_smem.store(qp)
 
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -231,12 +273,12 @@ if HAVE_GLUON:
         offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 
-        if KV_MODE == 1:
-            # e4m3 tiles are widened into one of two fp16 tiles while the tensor cores compute the logits of the
-            # other: the widening is off the critical path. Two wide tiles take the shared memory of the bf16
-            # path's two cp.async stages. The two are separate allocations and the loop takes two tiles a turn so
-            # that each tile's buffers are known at compile time (with one [2, ...] buffer, Triton puts a CTA
-            # barrier before every store of the widening: it cannot tell the halves apart).
+        if KV_MODE != 0:
+            # e4m3 tiles are widened (fp8_ds_mla tiles dequantized) into one of two wide tiles while the tensor
+            # cores compute the logits of the other: the widening is off the critical path. Two wide tiles take the
+            # shared memory of the bf16 path's two cp.async stages. The two are separate allocations and the loop
+            # takes two tiles a turn so that each tile's buffers are known at compile time (with one [2, ...]
+            # buffer, Triton puts a CTA barrier before every store of the widening: it cannot tell the halves apart).
             f_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
             kn_a = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
             kr_a = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
@@ -244,19 +286,22 @@ if HAVE_GLUON:
             kr_b = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
             rows, ok = _cache_rows(KV, BT, b, lo, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE, BLOCK_N,
                                    f_layout)
-            _widen_tile(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
+            if KV_MODE == 1:
+                _widen_tile(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
+            else:
+                _widen_tile_ds(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
             rows, ok = _cache_rows(KV, BT, b, lo + BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
                                    BLOCK_N, f_layout)
             for i in range(0, n_tiles, 2):
                 m_i, l_i, acc, rows, ok = _fp8_tile(
                     KV, BT, b, lo + i * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem,
                     kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_i, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE, BLOCK_H,
-                    BLOCK_N, f_layout, s_layout, o_layout, cdt)
+                    BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE)
                 if i + 1 < n_tiles:
                     m_i, l_i, acc, rows, ok = _fp8_tile(
                         KV, BT, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem,
                         p_smem, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_i, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE,
-                        BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt)
+                        BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE)
         else:
             kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
             kr_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, R], kr_sl)
@@ -289,6 +334,8 @@ if HAVE_GLUON:
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
         if KV_MODE == 1:
             inv = inv * kv_scale
+        elif KV_MODE == 2:
+            inv = inv * 256.0
         lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
         inv_o = gl.convert_layout(inv, gl.SliceLayout(1, o_layout))
         out = acc * inv_o[:, None]
