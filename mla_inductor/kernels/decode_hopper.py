@@ -136,8 +136,7 @@ if HAVE_GLUON:
                   KV_MODE: gl.constexpr):
         """One e4m3 (KV_MODE 1) or fp8_ds_mla (2) tile whose keys start at ``start``, already widened into kn / kr:
         its logits, and while they run the next tile (cache rows ``rows_next``) widened into kn_next / kr_next;
-        then softmax and P V. Returns
-        (m_i, l_i, acc, the cache rows of the tile after the next)."""
+        then softmax and P V. Returns (m_i, l_i, acc, the cache rows of the tile after the next)."""
         # The L2 prefetch's layout: [32 rows, 8 bytes each] per pass, no replicas at BLOCK_N=64.
         pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
         fence_async_shared()
