@@ -1,8 +1,8 @@
 """The Hopper (SM90) MLA paged-decode kernel, written in Gluon (Triton's explicit-layout dialect).
 
 Same arguments and outputs as ``decode._mla_decode_kernel`` for dense calls on bf16/fp16, fp8_e4m3 and
-fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split merge is
-shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_notes.md, "Open"):
+fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split
+merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_notes.md, "Open"):
 
 * The two warpgroups of the program split every product by columns (warps [4, 2]): the logits tile by key
   and the [64, 512] fp32 output by latent column. Triton's ``tl.dot`` chain gave both warpgroups the whole
@@ -87,8 +87,7 @@ if HAVE_GLUON:
         """The e4m3 cache rows ``rows`` (16-byte loads; zeros where not ``ok``) widened to ``cdt`` into kn_wide /
         kr_wide."""
         kn_wide.store(_load_columns(rows, ok, 0, L, layout).to(cdt))
-        kr = _load_columns(rows, ok, L, R, layout)
-        kr_wide.store(kr.to(cdt))
+        kr_wide.store(_load_columns(rows, ok, L, R, layout).to(cdt))
 
     @gluon.jit
     def _times_2_to_the_minus_8(x):
