@@ -263,6 +263,13 @@ def gluon_cta_barrier(gl_module):
     return getattr(gl_module, "barrier", None) or gl_module.thread_barrier
 
 
+def gluon_smem_reinterpret(gl_module):
+    """Gluon's view of a shared buffer with another dtype / shape / layout (desc, dtype, shape, layout), called as a
+    builtin from kernel code: ``reinterpret`` in newer Triton, ``_reinterpret`` in 3.5-3.6."""
+    desc = gl_module.shared_memory_descriptor
+    return getattr(desc, "reinterpret", None) or desc._reinterpret
+
+
 # ----------------------------------------------------------------------------- collectives
 
 # Traced steps use functional collectives, which return new tensors instead of writing into an argument: that

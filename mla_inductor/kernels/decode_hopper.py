@@ -7,8 +7,10 @@ merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/t
 * The two warpgroups of the program split every product by columns (warps [4, 2]): the logits tile by key
   and the [64, 512] fp32 output by latent column. Triton's ``tl.dot`` chain gave both warpgroups the whole
   logits tile (1.53x the useful tensor work at H=128).
-* P goes to shared memory once and both warpgroups read it as the A operand of the output product; the
-  row max and sum cross the warpgroups through Gluon's reductions.
+* P goes to shared memory once and both warpgroups read it as the A operand of the output product. The row
+  max is reduced within each warpgroup and the two halves exchanged through a small shared buffer (one
+  barrier); the row sum stays per warpgroup until the end (both rescale by the same factor). Gluon's
+  reductions across the row cost two barriers each: three barriers per tile instead of six.
 * bf16/fp16: each KV tile is copied once (cp.async, 16 bytes per copy) into the wgmma operand layout and read
   by both products straight from shared memory: K^T through a transposed view for the logits, the first 512
   columns as V. STAGES - 1 tiles are in flight while one is computed.
@@ -33,10 +35,11 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from mla_inductor._compat import gluon_async_load, gluon_cta_barrier
+    from mla_inductor._compat import gluon_async_load, gluon_cta_barrier, gluon_smem_reinterpret
 
     _cp_async = gluon_async_load(async_copy)
     _cta_barrier = gluon_cta_barrier(gl)
+    _smem_reinterpret = gluon_smem_reinterpret(gl)
     HAVE_GLUON = True
 except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper ops: the tl.dot kernel runs everywhere
     HAVE_GLUON = False
@@ -128,14 +131,14 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _fp8_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem, kn, kr,
-                  kn_next, kr_next, rows_next, ok_next, m_i, l_i, acc, qk_scale, offs_n_s, L: gl.constexpr,
+    def _fp8_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem, xchg, kn,
+                  kr, kn_next, kr_next, rows_next, ok_next, m_i, l_part, acc, qk_scale, offs_n_s, L: gl.constexpr,
                   R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                   f_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, cdt: gl.constexpr,
                   KV_MODE: gl.constexpr):
         """One e4m3 (KV_MODE 1) or fp8_ds_mla (2) tile whose keys start at ``start``, already widened into kn / kr:
         its logits, and while they run the next tile (cache rows ``rows_next``) widened into kn_next / kr_next;
-        then softmax and P V. Returns (m_i, l_i, acc, the cache rows of the tile after the next)."""
+        then softmax and P V. Returns (m_i, l_part, acc, the cache rows of the tile after the next)."""
         # The L2 prefetch's layout: [32 rows, 8 bytes each] per pass, no replicas at BLOCK_N=64.
         pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
         fence_async_shared()
@@ -158,18 +161,42 @@ if HAVE_GLUON:
         rows_pf, _ = _cache_rows(KV, BT, b, start + 2 * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
                                  BLOCK_N, pf_layout)
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
-        m_i, l_i, acc = _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, start, hi, qk_scale, offs_n_s, o_layout)
+        m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, start, hi, qk_scale, offs_n_s,
+                                       o_layout)
         if start + 2 * BLOCK_N < hi:
             _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return m_i, l_i, acc, rows2, ok2
+        return m_i, l_part, acc, rows2, ok2
 
     @gluon.jit
-    def _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, start, hi, qk_scale, offs_n_s, o_layout: gl.constexpr):
+    def _per_warpgroup(x, reduce: gl.constexpr):
+        """``x`` [BLOCK_H, BLOCK_N] (the logits layout: the two warpgroups hold a column half each) reduced over
+        each warpgroup's own columns: [BLOCK_H, 2], column w from warpgroup w. No data crosses a warp."""
+        return reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 2)
+
+    @gluon.jit
+    def _both_halves(part, xchg, like):
+        """The two columns of ``part`` ([BLOCK_H, 2], column w held by warpgroup w) as two [BLOCK_H] tensors in
+        the layout of ``like``, through the shared buffer ``xchg`` and one CTA barrier. The caller keeps a barrier between
+        this exchange and the next write of ``xchg``."""
+        xchg.store(gl.permute(part, (1, 0)))  # [2, BLOCK_H]: a half is a row of the buffer
+        _cta_barrier()
+        # The same bytes as two [BLOCK_H] buffers, each read straight into the row layout.
+        halves = _smem_reinterpret(xchg, gl.float32, xchg.shape, gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        return halves.index(0).load(like.type.layout), halves.index(1).load(like.type.layout)
+
+    @gluon.jit
+    def _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, start, hi, qk_scale, offs_n_s,
+                    o_layout: gl.constexpr):
         """One tile after its logits ``s_acc``: online softmax, P through shared memory to both warpgroups, then
-        issues acc += P V with V = the tile's latent columns ``kn``. Returns (m_i, l_i, acc in flight)."""
+        issues acc += P V with V = the tile's latent columns ``kn``. Returns (m_i, l_part, acc in flight).
+
+        The row max is reduced within each warpgroup and the two halves exchanged through ``xchg`` (one barrier;
+        a plain ``gl.max`` over the row crosses the warps twice). The row sum is kept per warpgroup (``l_part``,
+        [BLOCK_H, 2]): both warpgroups rescale by the same alpha, so the halves add up only at the end."""
         qk = gl.where((start + offs_n_s < hi)[None, :], s_acc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_a, m_b = _both_halves(_per_warpgroup(qk, gl.max), xchg, m_i)
+        m_new = gl.maximum(m_i, gl.maximum(m_a, m_b))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(qk - m_new[:, None])
         p_smem.store(p.to(p_smem.dtype))
@@ -178,10 +205,9 @@ if HAVE_GLUON:
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         # Left in flight: the caller waits (after issuing its next loads).
         acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-        # The row sum crosses the warpgroups (shared memory and a barrier): off the path to P V, it runs while the
-        # tensor cores do.
-        l_i = l_i * alpha + gl.sum(p, 1)
-        return m_new, l_i, acc
+        l_part = l_part * gl.convert_layout(alpha, gl.SliceLayout(1, l_part.type.layout))[:, None] \
+            + _per_warpgroup(p, gl.sum)
+        return m_new, l_part, acc
 
     @gluon.jit
     def mla_decode_hopper(
@@ -248,6 +274,8 @@ if HAVE_GLUON:
         qn_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, L], qn_sl)
         qr_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, R], qr_sl)
         p_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, BLOCK_N], p_sl)
+        # Where the two warpgroups exchange their halves of the row max (and at the end of the row sum).
+        xchg = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
         # q: [64 heads, 512 + 64], rows past H read as zeros.
         offs_h_ld = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
@@ -266,7 +294,8 @@ if HAVE_GLUON:
         qr_smem.store(qp)
 
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        # The row sum per warpgroup ([BLOCK_H, 2], see _softmax_pv), in the layout its per-tile sums come in.
+        l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
         acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
         offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
@@ -291,14 +320,14 @@ if HAVE_GLUON:
             rows, ok = _cache_rows(KV, BT, b, lo + BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
                                    BLOCK_N, f_layout)
             for i in range(0, n_tiles, 2):
-                m_i, l_i, acc, rows, ok = _fp8_tile(
+                m_i, l_part, acc, rows, ok = _fp8_tile(
                     KV, BT, b, lo + i * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem,
-                    kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_i, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE, BLOCK_H,
+                    xchg, kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE, BLOCK_H,
                     BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE)
                 if i + 1 < n_tiles:
-                    m_i, l_i, acc, rows, ok = _fp8_tile(
+                    m_i, l_part, acc, rows, ok = _fp8_tile(
                         KV, BT, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem,
-                        p_smem, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_i, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE,
+                        p_smem, xchg, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE,
                         BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE)
         else:
             kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
@@ -324,10 +353,13 @@ if HAVE_GLUON:
                 s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
                 s_acc = warpgroup_mma(qr_smem, kr_stage.index(stage).permute((1, 0)), s_acc, is_async=True)
                 s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
-                m_i, l_i, acc = _softmax_pv(s_acc, kn, p_smem, m_i, l_i, acc, lo + i * BLOCK_N, hi, qk_scale,
-                                            offs_n_s, o_layout)
+                m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, lo + i * BLOCK_N, hi,
+                                               qk_scale, offs_n_s, o_layout)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             async_copy.wait_group(0)
+        # Every warp is past its last read of xchg (the last tile's P barrier lies between).
+        l_a, l_b = _both_halves(l_part, xchg, m_i)
+        l_i = l_a + l_b
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
         if KV_MODE == 1:
