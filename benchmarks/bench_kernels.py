@@ -4,7 +4,8 @@ Rows ``triton_*`` are our default path (on an SM90 GPU the Gluon kernel where it
 ``tl.dot`` kernel); rows ``tldot_*`` force the ``tl.dot`` kernel (what GPUs other than SM90 run) where the
 two differ.
 
-    python benchmarks/bench_kernels.py [--quick] [--ours-only] [--no-sparse] [--only=flashmla,...] [--out DIR]
+    python benchmarks/bench_kernels.py [--quick] [--ours-only] [--no-sparse | --no-dense] [--only=flashmla,...]
+           [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
@@ -53,14 +54,21 @@ def _ours(c, kind, config=None):
     else:
         raise ValueError(kind)
 
-    if config == "tldot":
-        from mla_inductor.kernels.decode import DecodeLaunch
-
-        default = DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale).config
-        if default.kernel == "tl_dot":
-            raise SameKernel("the default path already runs the tl.dot kernel here")
-        config = default.with_kernel("tl_dot")
+    config = _forced(config, qn, qp, cache, c, scale, None)
     return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, None, config), ref, per_tok
+
+
+def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
+    """``config`` as given, or for "tldot" the default launch configuration on the ``tl.dot`` kernel (SameKernel
+    where the default already is the tl.dot kernel)."""
+    if config != "tldot":
+        return config
+    from mla_inductor.kernels.decode import DecodeLaunch
+
+    default = DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, sparse_indices).config
+    if default.kernel == "tl_dot":
+        raise SameKernel("the default path already runs the tl.dot kernel here")
+    return default.with_kernel("tl_dot")
 
 
 class SameKernel(Exception):
@@ -90,7 +98,7 @@ def _ours_sparse(c, kind, config=None):
     else:
         packed, deq = pm.ds_mla_cache(c["cache"])
         cache, ref, per_tok = packed, pm.sparse_reference(c, deq), 656
-
+    config = _forced(config, qn, qp, cache, c, one, c["indices"])
     return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], one, c["indices"], config), ref, per_tok
 
 
@@ -113,7 +121,7 @@ def _failed(label, name, e) -> str:
 
 
 OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds")
-OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds")
+OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds", "tldot_sparse_bf16", "tldot_sparse_ds")
 
 
 def run_dense(cfgs, peer_names, rows, results):
@@ -165,7 +173,8 @@ def run_sparse(peer_names, rows, results):
         for name in names:
             try:
                 if name in OURS_SPARSE:
-                    fn, ref, per_tok = _ours_sparse(c, name.rsplit("_", 1)[1])
+                    fn, ref, per_tok = _ours_sparse(c, name.rsplit("_", 1)[1],
+                                                    "tldot" if name.startswith("tldot") else None)
                 else:
                     fn = pm.SPARSE_PEERS[name](c)
                     ref, per_tok = c["ref_sparse"], (656 if "fp8" in name else 1152)
@@ -175,6 +184,8 @@ def run_sparse(peer_names, rows, results):
                 ms = _bench(fn)
                 row = _row(label, name, ms, B * topk * per_tok, flops, err)
                 results.setdefault(label, {})[name] = ms * 1e3
+            except SameKernel:
+                continue
             except Exception as e:  # noqa: BLE001
                 row = _failed(label, name, e)
             print(row, flush=True)
@@ -354,7 +365,8 @@ def main(argv=None):
     peer_names = [] if "--ours-only" in argv else [n for n in pm.PEERS if not only or n in only[0]]
     sparse_peers = [] if "--ours-only" in argv else list(pm.SPARSE_PEERS)
     rows, results = [], {}
-    run_dense(pm.QUICK if quick else pm.FULL, peer_names, rows, results)
+    if "--no-dense" not in argv:
+        run_dense(pm.QUICK if quick else pm.FULL, peer_names, rows, results)
     if "--no-sparse" not in argv:
         run_sparse(sparse_peers, rows, results)
     checks = targets(results)

@@ -21,7 +21,7 @@ needs_gluon = pytest.mark.skipif(not dh.HAVE_GLUON, reason="this Triton has no G
 H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
 
 
-def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str):
+def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -35,7 +35,7 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
     for n in names[len(sig):names.index("L")]:
         sig[n] = "i32"
     const = dict(L=512, R=64, PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=block_n, NUM_SPLITS=splits, KV_MODE=kv_mode,
-                 IS_SPARSE=False, DOT_PREC="tf32", EMULATE=False, TRANS_LOAD=False, SWAP_QK=False, FP16_MMA=False,
+                 IS_SPARSE=sparse, DOT_PREC="tf32", EMULATE=False, TRANS_LOAD=False, SWAP_QK=False, FP16_MMA=False,
                  STAGES=stages)
     for k in const:
         sig[k] = "constexpr"
@@ -49,17 +49,19 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
                           options=dict(num_warps=dh.NUM_WARPS))
 
 
-CASES = [(kv_mode, qdt, tiling, splits) for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16"), (2, "bf16")]
+CASES = [(kv_mode, qdt, tiling, splits, False) for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16"), (2, "bf16")]
          for tiling in dh.TILINGS for splits in (1, 3)]
+# Sparse calls (a slot list per row): the two formats DeepSeek's sparse attention stores, default tiling.
+CASES += [(kv_mode, "bf16", dh.TILINGS[0], splits, True) for kv_mode in (0, 2) for splits in (1, 3)]
 
 
 def _compile_all() -> dict:
     """Compile every case; {case: {shared, wgmma, cp16} or {error}} (run in a process without the interpreter)."""
     report = {}
-    for kv_mode, qdt, (block_n, stages), splits in CASES:
-        key = f"{kv_mode}-{qdt}-{block_n}-{stages}-{splits}"
+    for kv_mode, qdt, (block_n, stages), splits, sparse in CASES:
+        key = f"{kv_mode}-{qdt}-{block_n}-{stages}-{splits}-{sparse}"
         try:
-            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt)
+            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse)
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
             report[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
             continue
@@ -86,9 +88,9 @@ def compiled():
 
 
 @needs_gluon
-@pytest.mark.parametrize("kv_mode,qdt,tiling,splits", CASES)
-def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits):
-    got = compiled[f"{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}"]
+@pytest.mark.parametrize("kv_mode,qdt,tiling,splits,sparse", CASES)
+def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits, sparse):
+    got = compiled[f"{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}-{sparse}"]
     assert "error" not in got, got.get("error")
     assert got["shared"] <= H100_SHARED_BYTES, f"{got['shared']} bytes of shared memory"
     assert got["wgmma"] > 0, "the products must be wgmma"
@@ -112,20 +114,19 @@ def test_config_rejects_an_unknown_kernel():
     assert cfg.with_kernel("tl_dot").kernel == "tl_dot" and cfg.with_kernel("tl_dot").num_splits == 3
 
 
-@pytest.mark.parametrize("q,kv,mode,L,R,sparse,stride,expected", [
-    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, False, 576, True),
-    (torch.float16, torch.float16, dk._KV_PLAIN, 512, 64, False, 576, True),
-    (torch.bfloat16, torch.float8_e4m3fn, dk._KV_FP8, 512, 64, False, 576, True),
-    (torch.bfloat16, torch.float16, dk._KV_PLAIN, 512, 64, False, 576, False),  # q and cache differ
-    (torch.float32, torch.float32, dk._KV_PLAIN, 512, 64, False, 576, False),
-    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 256, 32, False, 288, False),
-    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, True, 576, False),  # sparse
-    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, False, 656, True),
-    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, True, 656, False),  # sparse fp8_ds_mla
-    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, False, 584, False),  # row stride not a multiple of 16
+@pytest.mark.parametrize("q,kv,mode,L,R,stride,expected", [
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, 576, True),
+    (torch.float16, torch.float16, dk._KV_PLAIN, 512, 64, 576, True),
+    (torch.bfloat16, torch.float8_e4m3fn, dk._KV_FP8, 512, 64, 576, True),
+    (torch.bfloat16, torch.float16, dk._KV_PLAIN, 512, 64, 576, False),  # q and cache differ
+    (torch.float32, torch.float32, dk._KV_PLAIN, 512, 64, 576, False),
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 256, 32, 288, False),
+    (torch.bfloat16, torch.uint8, dk._KV_DS, 512, 64, 656, True),
+    (torch.bfloat16, torch.bfloat16, dk._KV_PLAIN, 512, 64, 584, False),  # row stride not a multiple of 16
 ])
-def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, sparse, stride, expected):
-    assert dk._hopper_kernel_covers(q, kv, mode, L, R, sparse, stride) is expected
+def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, stride, expected):
+    # Sparse or dense makes no difference: the kernel reads a slot list as it reads a block table.
+    assert dk._hopper_kernel_covers(q, kv, mode, L, R, stride) is expected
 
 
 @pytest.mark.parametrize("H,kv_mode,expected", [(128, dk._KV_PLAIN, "gluon_sm90"), (40, dk._KV_FP8, "gluon_sm90"),

@@ -443,12 +443,44 @@ def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
     assert tk.DecodeLaunch(**c).config.kernel == "gluon_sm90"
     check(c)
     idx = _sparse_indices(c, topk=256, seed=6)
-    assert tk.DecodeLaunch(**c, sparse_indices=idx).config.kernel == "tl_dot"
+    assert tk.DecodeLaunch(**c, sparse_indices=idx).config.kernel == "gluon_sm90"
     ds = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="ds", seed=7)
     assert tk.DecodeLaunch(**ds).config.kernel == "gluon_sm90"
     check(ds, tol=TOL["ds"])
     small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
     assert tk.DecodeLaunch(**small).config.kernel == "tl_dot"
+
+
+def poison_unlisted(case, sparse_indices):
+    """NaN (or e4m3 / fp8_ds_mla NaN bytes) in every cache slot the sparse call does not list: slot 0 behind
+    the -1 padding included."""
+    cache = case["kv_cache"]
+    listed = sparse_indices[sparse_indices >= 0].long()
+    drop = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool, device=cache.device)
+    drop[listed] = False
+    rows = cache.view(-1, cache.shape[-1])
+    if rows.dtype in (torch.float8_e4m3fn, torch.uint8):
+        rows.view(torch.uint8)[drop] = 0x7F
+    else:
+        rows[drop] = float("nan")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("kind", ["bf16", "ds"])
+@pytest.mark.parametrize("H", [40, 128])
+@pytest.mark.parametrize("topk,ns", [(512, 1), (200, 3)])
+def test_gpu_hopper_kernel_sparse(kind, H, topk, ns):
+    # Slot lists with -1 padding (30% of each row, and row 2 all padding), top-k not a multiple of the tile.
+    dt, kv = (torch.bfloat16, "same") if kind == "bf16" else ("fp8", "ds")
+    c = make_case(B=4, Q=1, H=H, L=512, R=64, page=64, seq_lens=[3000, 640, 5, 2048], dtype=dt, kv=kv,
+                  seed=H + topk)
+    idx = _sparse_indices(c, topk=topk, seed=23, pad_rows=(2,))
+    poison_unlisted(c, idx)
+    config = DecodeConfig(64, 64, ns, 8, 2, kernel="gluon_sm90")
+    assert tk.DecodeLaunch(**c, sparse_indices=idx, config=config).config.kernel == "gluon_sm90"
+    out, lse = check(c, sparse_indices=idx, config=config, tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
+    assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
 
 
 @gpu

@@ -440,11 +440,12 @@ def _hopper_kernel_runs_on(device: torch.device) -> bool:
 
 
 def _hopper_kernel_covers(q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_mode: int, L: int, R: int,
-                          sparse: bool, kv_row_stride: int) -> bool:
-    """Whether a call is one the Gluon kernel is written for (its device already chosen by choose_config).
+                          kv_row_stride: int) -> bool:
+    """Whether a call is one the Gluon kernel is written for (its device already chosen by choose_config); dense
+    and sparse calls alike.
     Its cache rows are copied 16 bytes at a time, which needs a row stride of a multiple of 16 elements (what
     Triton specializes on) and a 16-byte aligned cache (checked per launch: ``DecodeLaunch._launch_main``)."""
-    if sparse or (L, R) != (_hopper().L_DIM, _hopper().R_DIM) or q_dtype not in (torch.bfloat16, torch.float16):
+    if (L, R) != (_hopper().L_DIM, _hopper().R_DIM) or q_dtype not in (torch.bfloat16, torch.float16):
         return False
     if kv_row_stride % 16:
         return False
@@ -687,7 +688,7 @@ class DecodeLaunch:
             kv_len_hint = max(1, block_table.shape[1] * page_size)
         cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
         if cfg.kernel == "gluon_sm90" and not _hopper_kernel_covers(q_nope.dtype, kv_cache.dtype, kv_mode, L, R,
-                                                                self.sparse, kv_cache.stride(1)):
+                                                                kv_cache.stride(1)):
             cfg = cfg.with_kernel("tl_dot")
         emulate = self.device.type != "cuda"
         self.kernel_scalars = (

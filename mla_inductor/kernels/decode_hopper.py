@@ -54,25 +54,48 @@ TILINGS = ((64, 2), (32, 3))
 
 if HAVE_GLUON:
     @gluon.jit
-    def _cache_rows(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE: gl.constexpr,
-                    BLOCK_N: gl.constexpr, layout: gl.constexpr):
-        """Row pointers of keys [start, start + BLOCK_N) in the cache and whether each may be read (keys past
-        ``hi`` and slots outside the cache may not), as a slice of ``layout``."""
+    def _slots(table, b, offs_n, hi, table_stride, num_slots, PAGE_SIZE: gl.constexpr, IS_SPARSE: gl.constexpr):
+        """Cache slots of keys ``offs_n`` (any layout) of row ``b`` of ``table`` and whether each is attended: keys
+        past ``hi`` and slots outside the cache (sparse -1 padding among them) are not, and are never read.
+        Dense calls: ``table`` is the block table (one entry per page); sparse calls: the slot list itself."""
+        in_range = offs_n < hi
+        if IS_SPARSE:
+            slot = gl.load(table + b.to(gl.int64) * table_stride + offs_n, mask=in_range, other=-1)
+        else:
+            page = gl.load(table + b.to(gl.int64) * table_stride + offs_n // PAGE_SIZE, mask=in_range, other=0)
+            slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+        return slot, in_range & (slot >= 0) & (slot < num_slots)
+
+    @gluon.jit
+    def _cache_rows(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, layout: gl.constexpr, IS_SPARSE: gl.constexpr):
+        """Row pointers of keys [start, start + BLOCK_N) in the cache and whether each may be read (``_slots``), as
+        a slice of ``layout``."""
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        tmask = offs_n < hi
-        page = gl.load(BT + b.to(gl.int64) * stride_bt_b + offs_n // PAGE_SIZE, mask=tmask, other=0)
-        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        valid = tmask & (slot >= 0) & (slot < num_slots)
+        slot, valid = _slots(table, b, offs_n, hi, table_stride, num_slots, PAGE_SIZE, IS_SPARSE)
         return KV + gl.where(valid, slot, 0).to(gl.int64) * stride_kv_row, valid
 
     @gluon.jit
-    def _load_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, kn_buf, kr_buf,
+    def _attended(table, b, start, hi, table_stride, num_slots, offs_n_s, PAGE_SIZE: gl.constexpr,
+                  IS_SPARSE: gl.constexpr):
+        """Which keys of the tile at ``start`` take part in the softmax, in the logits' column layout. Dense:
+        the keys in range (a block-table entry is trusted within the row's length, as by the tl.dot kernel's
+        reads); sparse: listed slots inside the cache (another look at the slot list: cheaper than moving the
+        copy's mask across layouts, which costs a CTA barrier)."""
+        if IS_SPARSE:
+            _, attended = _slots(table, b, start + offs_n_s, hi, table_stride, num_slots, PAGE_SIZE, IS_SPARSE)
+        else:
+            attended = start + offs_n_s < hi
+        return attended
+
+    @gluon.jit
+    def _load_tile(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, kn_buf, kr_buf,
                    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                   ld_layout: gl.constexpr):
+                   ld_layout: gl.constexpr, IS_SPARSE: gl.constexpr):
         """cp.async of the cache rows of keys [start, start + BLOCK_N) into kn_buf (latent) / kr_buf (rope); keys
         past ``hi`` or on slots outside the cache are never read and land as zeros."""
-        row, valid = _cache_rows(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE, BLOCK_N,
-                                 ld_layout)
+        row, valid = _cache_rows(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
+                                 ld_layout, IS_SPARSE)
         offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))
         _cp_async(kn_buf, row[:, None] + offs_l[None, :], mask=valid[:, None])
         offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))
@@ -131,11 +154,11 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _fp8_tile(KV, BT, b, start, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem, xchg, kn,
-                  kr, kn_next, kr_next, rows_next, ok_next, m_i, l_part, acc, qk_scale, offs_n_s, L: gl.constexpr,
+    def _fp8_tile(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, qn_smem, qr_smem, p_smem, xchg,
+                  kn, kr, kn_next, kr_next, rows_next, ok_next, m_i, l_part, acc, qk_scale, offs_n_s, L: gl.constexpr,
                   R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                   f_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, cdt: gl.constexpr,
-                  KV_MODE: gl.constexpr):
+                  KV_MODE: gl.constexpr, IS_SPARSE: gl.constexpr):
         """One e4m3 (KV_MODE 1) or fp8_ds_mla (2) tile whose keys start at ``start``, already widened into kn / kr:
         its logits, and while they run the next tile (cache rows ``rows_next``) widened into kn_next / kr_next;
         then softmax and P V. Returns (m_i, l_part, acc, the cache rows of the tile after the next)."""
@@ -154,15 +177,15 @@ if HAVE_GLUON:
                 _widen_tile(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
             else:
                 _widen_tile_ds(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
-        rows2, ok2 = _cache_rows(KV, BT, b, start + 2 * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
-                                 BLOCK_N, f_layout)
+        rows2, ok2 = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
+                                 PAGE_SIZE, BLOCK_N, f_layout, IS_SPARSE)
         # The same rows in the prefetch's layout (a second block-table lookup is cheaper than a layout conversion,
         # which would cost a CTA barrier); prefetched while P V runs. Rows that may not be read stand for row 0.
-        rows_pf, _ = _cache_rows(KV, BT, b, start + 2 * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
-                                 BLOCK_N, pf_layout)
+        rows_pf, _ = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
+                                 PAGE_SIZE, BLOCK_N, pf_layout, IS_SPARSE)
+        attended = _attended(table, b, start, hi, table_stride, num_slots, offs_n_s, PAGE_SIZE, IS_SPARSE)
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
-        m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, start, hi, qk_scale, offs_n_s,
-                                       o_layout)
+        m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, attended, qk_scale, o_layout)
         if start + 2 * BLOCK_N < hi:
             _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -177,8 +200,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _both_halves(part, xchg, like):
         """The two columns of ``part`` ([BLOCK_H, 2], column w held by warpgroup w) as two [BLOCK_H] tensors in
-        the layout of ``like``, through the shared buffer ``xchg`` and one CTA barrier. The caller keeps a barrier between
-        this exchange and the next write of ``xchg``."""
+        the layout of ``like``, through the shared buffer ``xchg`` and one CTA barrier. The caller keeps a barrier
+        between this exchange and the next write of ``xchg``."""
         xchg.store(gl.permute(part, (1, 0)))  # [2, BLOCK_H]: a half is a row of the buffer
         _cta_barrier()
         # The same bytes as two [BLOCK_H] buffers, each read straight into the row layout.
@@ -186,15 +209,15 @@ if HAVE_GLUON:
         return halves.index(0).load(like.type.layout), halves.index(1).load(like.type.layout)
 
     @gluon.jit
-    def _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, start, hi, qk_scale, offs_n_s,
-                    o_layout: gl.constexpr):
+    def _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, attended, qk_scale, o_layout: gl.constexpr):
         """One tile after its logits ``s_acc``: online softmax, P through shared memory to both warpgroups, then
-        issues acc += P V with V = the tile's latent columns ``kn``. Returns (m_i, l_part, acc in flight).
+        issues acc += P V with V = the tile's latent columns ``kn``; keys not ``attended`` get no weight.
+        Returns (m_i, l_part, acc in flight).
 
         The row max is reduced within each warpgroup and the two halves exchanged through ``xchg`` (one barrier;
         a plain ``gl.max`` over the row crosses the warps twice). The row sum is kept per warpgroup (``l_part``,
         [BLOCK_H, 2]): both warpgroups rescale by the same alpha, so the halves add up only at the end."""
-        qk = gl.where((start + offs_n_s < hi)[None, :], s_acc * qk_scale, float("-inf"))
+        qk = gl.where(attended[None, :], s_acc * qk_scale, float("-inf"))
         m_a, m_b = _both_halves(_per_warpgroup(qk, gl.max), xchg, m_i)
         m_new = gl.maximum(m_i, gl.maximum(m_a, m_b))
         alpha = gl.exp2(m_i - m_new)
@@ -227,7 +250,6 @@ if HAVE_GLUON:
     ):
         gl.static_assert(BLOCK_H == 64)
         gl.static_assert(KV_MODE == 0 or KV_MODE == 1 or KV_MODE == 2)
-        gl.static_assert(not IS_SPARSE)
         # Program order and split ranges as in decode._mla_decode_kernel (one grid, one merge for both kernels);
         # written out again because a Gluon kernel cannot call a @triton.jit helper.
         NUM_HB = gl.cdiv(H, BLOCK_H)
@@ -236,9 +258,18 @@ if HAVE_GLUON:
         rest = pid // NUM_HB
         split = rest % NUM_SPLITS
         row = rest // NUM_SPLITS
-        b = row // Q_PER_SEQ
-        j = row % Q_PER_SEQ
-        kv_len = gl.maximum(gl.load(SEQ + b) - Q_PER_SEQ + j + 1, 0)
+        if IS_SPARSE:
+            # Each row lists its own TOPK slots (-1 padding): its keys' table is its row of SPARSE.
+            b = row
+            table = SPARSE
+            table_stride = stride_sp_t
+            kv_len = TOPK
+        else:
+            b = row // Q_PER_SEQ
+            j = row % Q_PER_SEQ
+            table = BT
+            table_stride = stride_bt_b
+            kv_len = gl.maximum(gl.load(SEQ + b) - Q_PER_SEQ + j + 1, 0)
         per_split = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * per_split
         hi = gl.minimum(lo + per_split, kv_len)
@@ -311,31 +342,31 @@ if HAVE_GLUON:
             kr_a = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
             kn_b = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
             kr_b = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
-            rows, ok = _cache_rows(KV, BT, b, lo, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE, BLOCK_N,
-                                   f_layout)
+            rows, ok = _cache_rows(KV, table, b, lo, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
+                                   f_layout, IS_SPARSE)
             if KV_MODE == 1:
                 _widen_tile(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
             else:
                 _widen_tile_ds(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
-            rows, ok = _cache_rows(KV, BT, b, lo + BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, PAGE_SIZE,
-                                   BLOCK_N, f_layout)
+            rows, ok = _cache_rows(KV, table, b, lo + BLOCK_N, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE,
+                                   BLOCK_N, f_layout, IS_SPARSE)
             for i in range(0, n_tiles, 2):
                 m_i, l_part, acc, rows, ok = _fp8_tile(
-                    KV, BT, b, lo + i * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem, p_smem,
-                    xchg, kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE, BLOCK_H,
-                    BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE)
+                    KV, table, b, lo + i * BLOCK_N, hi, stride_kv_row, table_stride, num_slots, qn_smem, qr_smem,
+                    p_smem, xchg, kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s, L, R,
+                    PAGE_SIZE, BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE, IS_SPARSE)
                 if i + 1 < n_tiles:
                     m_i, l_part, acc, rows, ok = _fp8_tile(
-                        KV, BT, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots, qn_smem, qr_smem,
-                        p_smem, xchg, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s, L, R, PAGE_SIZE,
-                        BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE)
+                        KV, table, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, table_stride, num_slots, qn_smem,
+                        qr_smem, p_smem, xchg, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s,
+                        L, R, PAGE_SIZE, BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE, IS_SPARSE)
         else:
             kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
             kr_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, R], kr_sl)
             for s in gl.static_range(STAGES - 1):
                 if s < n_tiles:
-                    _load_tile(KV, BT, b, lo + s * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots,
-                               kn_stage.index(s), kr_stage.index(s), L, R, PAGE_SIZE, BLOCK_N, ld_layout)
+                    _load_tile(KV, table, b, lo + s * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
+                               kn_stage.index(s), kr_stage.index(s), L, R, PAGE_SIZE, BLOCK_N, ld_layout, IS_SPARSE)
                 async_copy.commit_group()
             for i in range(n_tiles):
                 stage = i % STAGES
@@ -344,17 +375,19 @@ if HAVE_GLUON:
                 _cta_barrier()  # tile i visible to both warpgroups; every warp is done with tile i - 1
                 nxt = i + STAGES - 1
                 if nxt < n_tiles:
-                    _load_tile(KV, BT, b, lo + nxt * BLOCK_N, hi, stride_kv_row, stride_bt_b, num_slots,
+                    _load_tile(KV, table, b, lo + nxt * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
                                kn_stage.index(nxt % STAGES), kr_stage.index(nxt % STAGES), L, R, PAGE_SIZE, BLOCK_N,
-                               ld_layout)
+                               ld_layout, IS_SPARSE)
                 async_copy.commit_group()
                 kn = kn_stage.index(stage)
                 s_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
                 s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
                 s_acc = warpgroup_mma(qr_smem, kr_stage.index(stage).permute((1, 0)), s_acc, is_async=True)
+                attended = _attended(table, b, lo + i * BLOCK_N, hi, table_stride, num_slots, offs_n_s, PAGE_SIZE,
+                                     IS_SPARSE)
                 s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
-                m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, lo + i * BLOCK_N, hi,
-                                               qk_scale, offs_n_s, o_layout)
+                m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, attended, qk_scale,
+                                               o_layout)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             async_copy.wait_group(0)
         # Every warp is past its last read of xchg (the last tile's P barrier lies between).
