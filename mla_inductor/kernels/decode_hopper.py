@@ -1,7 +1,7 @@
 """The Hopper (SM90) MLA paged-decode kernel, written in Gluon (Triton's explicit-layout dialect).
 
-Same arguments and outputs as ``decode._mla_decode_kernel`` for dense calls on bf16/fp16, fp8_e4m3 and
-fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split
+Same arguments and outputs as ``decode._mla_decode_kernel`` for dense and sparse calls on bf16/fp16, fp8_e4m3
+and fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split
 merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_notes.md, "Open"):
 
 * The two warpgroups of the program split every product by columns (warps [4, 2]): the logits tile by key
@@ -15,15 +15,17 @@ merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/t
   by both products straight from shared memory: K^T through a transposed view for the logits, the first 512
   columns as V. STAGES - 1 tiles are in flight while one is computed.
 * fp8_e4m3: tiles are loaded to registers (16-byte loads) and widened to fp16 (one cvt per pair; q is
-  pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the tensor cores compute the
-  logits of the other; each tile's rows are looked up a tile ahead and prefetched into L2 two tiles ahead.
+  pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the tensor cores work on the
+  other: half of it while they compute its logits, half while they compute P V; each tile's rows are looked up a tile ahead and prefetched into L2 two tiles ahead.
   The per-tensor scale goes onto the logits and the output.
 * fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied, the bf16 rope
   copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite; the logits get 2^16 back and
   the output 2^8. Both products are then plain fp16 products.
 
 Keys past a row's range, and slots outside the cache, are never read: their copies are predicated off and
-load as zeros, and their logits are -inf. A row that sees no key writes out 0 and lse -inf.
+load as zeros. Keys past the range (and in sparse calls -1 padding and slots outside the cache) get logits
+-inf; a dense block-table entry within the row's length is trusted. A row that sees no key writes out 0 and
+lse -inf. Sparse calls read each row's slot list where dense calls read the block table.
 Gluon has no interpreter: CPU tests compile this kernel for SM90 (``tests/test_decode_hopper.py``), GPU tests
 run it against the reference.
 """
@@ -108,12 +110,18 @@ if HAVE_GLUON:
         return gl.load(rows[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
 
     @gluon.jit
-    def _widen_tile(rows, ok, kn_wide, kr_wide, L: gl.constexpr, R: gl.constexpr, layout: gl.constexpr,
-                    cdt: gl.constexpr):
-        """The e4m3 cache rows ``rows`` (16-byte loads; zeros where not ``ok``) widened to ``cdt`` into kn_wide /
-        kr_wide."""
-        kn_wide.store(_load_columns(rows, ok, 0, L, layout).to(cdt))
-        kr_wide.store(_load_columns(rows, ok, L, R, layout).to(cdt))
+    def _widen_half(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                    layout: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr):
+        """Half ``HALF`` of the cache rows ``rows`` (16-byte loads; zeros where not ``ok``) widened to ``cdt``:
+        0 = latent columns [0, L/2) and the rope, 1 = latent columns [L/2, L). e4m3 (KV_MODE 1) is converted;
+        fp8_ds_mla (2) is dequantized (``_widen_half_ds``)."""
+        HL: gl.constexpr = L // 2
+        if KV_MODE == 1:
+            kn_wide.slice(HALF * HL, HL, dim=1).store(_load_columns(rows, ok, HALF * HL, HL, layout).to(cdt))
+            if HALF == 0:
+                kr_wide.store(_load_columns(rows, ok, L, R, layout).to(cdt))
+        else:
+            _widen_half_ds(rows, ok, kn_wide, kr_wide, HALF, L, R, layout, cdt)
 
     @gluon.jit
     def _times_2_to_the_minus_8(x):
@@ -124,24 +132,24 @@ if HAVE_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _widen_tile_ds(rows, ok, kn_wide, kr_wide, L: gl.constexpr, R: gl.constexpr, layout: gl.constexpr,
-                       cdt: gl.constexpr):
-        """fp8_ds_mla cache rows ``rows`` (read through an e4m3 pointer: 512 e4m3, four fp32 scales, one per 128
-        latent values, 64 bf16 rope values) dequantized to ``cdt`` into kn_wide / kr_wide (zeros where not
-        ``ok``), at 2^-8 of their value (the caller's choice of range for fp16). The scales are applied here, so
-        both products are plain ``cdt`` products."""
+    def _widen_half_ds(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                       layout: gl.constexpr, cdt: gl.constexpr):
+        """Half ``HALF`` (as in ``_widen_half``) of fp8_ds_mla cache rows ``rows`` (read through an e4m3 pointer:
+        512 e4m3, four fp32 scales, one per 128 latent values, 64 bf16 rope values) dequantized to ``cdt`` into
+        kn_wide / kr_wide (zeros where not ``ok``), at 2^-8 of their value (the caller's choice of range for
+        fp16). The scales are applied here, so both products are plain ``cdt`` products."""
         gl.static_assert(L == 512)
-        sc = (rows + L).to(gl.pointer_type(gl.float32), bitcast=True)
-        s0 = gl.load(sc, mask=ok, other=0.0) * 0.00390625
-        s1 = gl.load(sc + 1, mask=ok, other=0.0) * 0.00390625
-        s2 = gl.load(sc + 2, mask=ok, other=0.0) * 0.00390625
-        s3 = gl.load(sc + 3, mask=ok, other=0.0) * 0.00390625
-        cols = gl.arange(0, L, layout=gl.SliceLayout(0, layout))[None, :]
-        scale = gl.where(cols < 256, gl.where(cols < 128, s0[:, None], s1[:, None]),
-                         gl.where(cols < 384, s2[:, None], s3[:, None]))
-        kn_wide.store((_load_columns(rows, ok, 0, L, layout).to(gl.float32) * scale).to(cdt))
-        rope = (rows + L + 16).to(gl.pointer_type(gl.bfloat16), bitcast=True)
-        kr_wide.store(_times_2_to_the_minus_8(_load_columns(rope, ok, 0, R, layout).to(gl.float32)).to(cdt))
+        HL: gl.constexpr = L // 2
+        sc = (rows + L + 8 * HALF).to(gl.pointer_type(gl.float32), bitcast=True)  # this half's two scales (bytes)
+        s_lo = gl.load(sc, mask=ok, other=0.0) * 0.00390625
+        s_hi = gl.load(sc + 1, mask=ok, other=0.0) * 0.00390625
+        cols = gl.arange(0, HL, layout=gl.SliceLayout(0, layout))[None, :]
+        scale = gl.where(cols < 128, s_lo[:, None], s_hi[:, None])
+        kn_wide.slice(HALF * HL, HL, dim=1).store(
+            (_load_columns(rows, ok, HALF * HL, HL, layout).to(gl.float32) * scale).to(cdt))
+        if HALF == 0:
+            rope = (rows + L + 16).to(gl.pointer_type(gl.bfloat16), bitcast=True)
+            kr_wide.store(_times_2_to_the_minus_8(_load_columns(rope, ok, 0, R, layout).to(gl.float32)).to(cdt))
 
     @gluon.jit
     def _prefetch_l2(rows, ROW_BYTES: gl.constexpr, layout: gl.constexpr):
@@ -169,14 +177,12 @@ if HAVE_GLUON:
         s_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
         s_acc = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_acc, is_async=True)
-        # The next tile's loads are issued here, not a tile earlier: registers held across the loop's back edge
-        # (with the [64, 512] fp32 accumulator) spill. Its row pointers were looked up a tile earlier, so the
-        # block-table load is not in the chain.
+        # The next tile is widened in two halves: one while these logits run, one while P V runs. Its loads are
+        # issued here, not a tile earlier: registers held across the loop's back edge (with the [64, 512] fp32
+        # accumulator) spill. Its row pointers were looked up a tile earlier, so the block-table load is not in
+        # the chain.
         if start + BLOCK_N < hi:  # (uniform across the program) a split's last tile has no next tile to widen
-            if KV_MODE == 1:
-                _widen_tile(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
-            else:
-                _widen_tile_ds(rows_next, ok_next, kn_next, kr_next, L, R, f_layout, cdt)
+            _widen_half(rows_next, ok_next, kn_next, kr_next, 0, L, R, f_layout, cdt, KV_MODE)
         rows2, ok2 = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
                                  PAGE_SIZE, BLOCK_N, f_layout, IS_SPARSE)
         # The same rows in the prefetch's layout (a second block-table lookup is cheaper than a layout conversion,
@@ -186,6 +192,8 @@ if HAVE_GLUON:
         attended = _attended(table, b, start, hi, table_stride, num_slots, offs_n_s, PAGE_SIZE, IS_SPARSE)
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
         m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, attended, qk_scale, o_layout)
+        if start + BLOCK_N < hi:
+            _widen_half(rows_next, ok_next, kn_next, kr_next, 1, L, R, f_layout, cdt, KV_MODE)
         if start + 2 * BLOCK_N < hi:
             _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -344,10 +352,8 @@ if HAVE_GLUON:
             kr_b = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
             rows, ok = _cache_rows(KV, table, b, lo, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
                                    f_layout, IS_SPARSE)
-            if KV_MODE == 1:
-                _widen_tile(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
-            else:
-                _widen_tile_ds(rows, ok, kn_a, kr_a, L, R, f_layout, cdt)
+            _widen_half(rows, ok, kn_a, kr_a, 0, L, R, f_layout, cdt, KV_MODE)
+            _widen_half(rows, ok, kn_a, kr_a, 1, L, R, f_layout, cdt, KV_MODE)
             rows, ok = _cache_rows(KV, table, b, lo + BLOCK_N, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE,
                                    BLOCK_N, f_layout, IS_SPARSE)
             for i in range(0, n_tiles, 2):
