@@ -329,8 +329,8 @@ if _HAVE_TRITON:
 
 class DecodeConfig:
     """Launch parameters of the decode kernel. ``kernel``: "tl_dot" (the ``tl.dot`` kernel, every GPU and the
-    interpreter) or "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense calls
-    on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
+    interpreter) or "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense and
+    sparse calls on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
 
     __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
@@ -419,7 +419,7 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
     if block_h == 64 and _hopper_kernel_runs_on(device):
         # The Gluon kernel (decode_hopper) at the same tiling and splits: 1.5-1.8x the tl.dot kernel's speed at
         # H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla; docs/benchmarks.md section 1). DecodeLaunch keeps
-        # the tl.dot kernel for calls it does not cover (sparse, other L/R or dtypes).
+        # the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
         return cfg.with_kernel("gluon_sm90")
     return cfg
 
