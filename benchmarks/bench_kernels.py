@@ -4,8 +4,8 @@ Rows ``triton_*`` are our default path (on an SM90 GPU the Gluon kernel where it
 ``tl.dot`` kernel); rows ``tldot_*`` force the ``tl.dot`` kernel (what GPUs other than SM90 run) where the
 two differ.
 
-    python benchmarks/bench_kernels.py [--quick] [--ours-only] [--no-sparse | --no-dense] [--only=flashmla,...]
-           [--out DIR]
+    python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
+           [--only=flashmla,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
@@ -65,10 +65,10 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
         return config
     from mla_inductor.kernels.decode import DecodeLaunch
 
-    default = DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, sparse_indices).config
-    if default.kernel == "tl_dot":
+    default = DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, sparse_indices)
+    if default.config.kernel == "tl_dot":
         raise SameKernel("the default path already runs the tl.dot kernel here")
-    return default.with_kernel("tl_dot")
+    return default.fallback
 
 
 class SameKernel(Exception):
@@ -365,8 +365,12 @@ def main(argv=None):
     peer_names = [] if "--ours-only" in argv else [n for n in pm.PEERS if not only or n in only[0]]
     sparse_peers = [] if "--ours-only" in argv else list(pm.SPARSE_PEERS)
     rows, results = [], {}
+    cases = pm.QUICK if quick else pm.FULL
+    for a in argv:
+        if a.startswith("--cases="):  # a subset of the dense cases, e.g. 128x16x4096,32x16x4096
+            cases = [tuple(int(v) for v in case.split("x")) for case in a.split("=", 1)[1].split(",")]
     if "--no-dense" not in argv:
-        run_dense(pm.QUICK if quick else pm.FULL, peer_names, rows, results)
+        run_dense(cases, peer_names, rows, results)
     if "--no-sparse" not in argv:
         run_sparse(sparse_peers, rows, results)
     checks = targets(results)

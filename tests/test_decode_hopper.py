@@ -21,12 +21,14 @@ needs_gluon = pytest.mark.skipif(not dh.HAVE_GLUON, reason="this Triton has no G
 H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
 
 
-def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False):
+def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False,
+                      kernel: str = "gluon_sm90"):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = dh.mla_decode_hopper
+    fn, num_warps = dh.KERNELS[kernel]
+    block_h = dh.NARROW_BLOCK_H if kernel == "gluon_sm90_narrow" else dh.HEADS_PER_PROGRAM
     names = fn.arg_names
     kv = {0: "*" + qdt, 1: "*fp8e4nv", 2: "*fp8e4nv"}[kv_mode]  # fp8_ds_mla rows are read through an e4m3 pointer
     sig = {"QN": "*" + qdt, "QP": "*" + qdt, "KV": kv, "BT": "*i32", "SEQ": "*i32", "SPARSE": "*i32",
@@ -34,7 +36,7 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
            "qk_scale": "fp32"}
     for n in names[len(sig):names.index("L")]:
         sig[n] = "i32"
-    const = dict(L=512, R=64, PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=block_n, NUM_SPLITS=splits, KV_MODE=kv_mode,
+    const = dict(L=512, R=64, PAGE_SIZE=64, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, KV_MODE=kv_mode,
                  IS_SPARSE=sparse, DOT_PREC="tf32", EMULATE=False, TRANS_LOAD=False, SWAP_QK=False, FP16_MMA=False,
                  STAGES=stages)
     for k in const:
@@ -46,22 +48,26 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
               "stride_sp_t", "num_slots"):
         attrs[(names.index(n),)] = div
     return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=dh.NUM_WARPS))
+                          options=dict(num_warps=num_warps))
 
 
-CASES = [(kv_mode, qdt, tiling, splits, False) for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16"), (2, "bf16")]
+CASES = [("gluon_sm90", kv_mode, qdt, tiling, splits, False)
+         for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16"), (2, "bf16")]
          for tiling in dh.TILINGS for splits in (1, 3)]
 # Sparse calls (a slot list per row): the two formats DeepSeek's sparse attention stores, default tiling.
-CASES += [(kv_mode, "bf16", dh.TILINGS[0], splits, True) for kv_mode in (0, 2) for splits in (1, 3)]
+CASES += [("gluon_sm90", kv_mode, "bf16", dh.TILINGS[0], splits, True) for kv_mode in (0, 2) for splits in (1, 3)]
+# The 16-head variant: fp8 caches, dense and sparse.
+CASES += [("gluon_sm90_narrow", kv_mode, "bf16", (dh.NARROW_BLOCK_N, 1), splits, sparse) for kv_mode in (1, 2)
+          for splits in (1, 3) for sparse in (False, True)]
 
 
 def _compile_all() -> dict:
     """Compile every case; {case: {shared, wgmma, cp16} or {error}} (run in a process without the interpreter)."""
     report = {}
-    for kv_mode, qdt, (block_n, stages), splits, sparse in CASES:
-        key = f"{kv_mode}-{qdt}-{block_n}-{stages}-{splits}-{sparse}"
+    for kernel, kv_mode, qdt, (block_n, stages), splits, sparse in CASES:
+        key = f"{kernel}-{kv_mode}-{qdt}-{block_n}-{stages}-{splits}-{sparse}"
         try:
-            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse)
+            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse, kernel)
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
             report[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
             continue
@@ -88,11 +94,13 @@ def compiled():
 
 
 @needs_gluon
-@pytest.mark.parametrize("kv_mode,qdt,tiling,splits,sparse", CASES)
-def test_kernel_compiles_for_sm90(compiled, kv_mode, qdt, tiling, splits, sparse):
-    got = compiled[f"{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}-{sparse}"]
+@pytest.mark.parametrize("kernel,kv_mode,qdt,tiling,splits,sparse", CASES)
+def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits, sparse):
+    got = compiled[f"{kernel}-{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}-{sparse}"]
     assert "error" not in got, got.get("error")
-    assert got["shared"] <= H100_SHARED_BYTES, f"{got['shared']} bytes of shared memory"
+    # The 16-head variant is written for two programs per SM.
+    per_sm = 2 if kernel == "gluon_sm90_narrow" else 1
+    assert got["shared"] * per_sm <= H100_SHARED_BYTES, f"{got['shared']} bytes of shared memory"
     assert got["wgmma"] > 0, "the products must be wgmma"
     if kv_mode == 0:
         assert got["cp16"] > 0, "cache rows must be copied 16 bytes at a time"
@@ -126,12 +134,21 @@ def test_config_rejects_an_unknown_kernel():
 ])
 def test_which_calls_the_gluon_kernel_covers(q, kv, mode, L, R, stride, expected):
     # Sparse or dense makes no difference: the kernel reads a slot list as it reads a block table.
-    assert dk._hopper_kernel_covers(q, kv, mode, L, R, stride) is expected
+    assert dk._hopper_kernel_covers("gluon_sm90", q, kv, mode, L, R, stride) is expected
+
+
+@pytest.mark.parametrize("kv,mode,stride,expected", [(torch.float8_e4m3fn, dk._KV_FP8, 576, True),
+                                                     (torch.uint8, dk._KV_DS, 656, True),
+                                                     (torch.bfloat16, dk._KV_PLAIN, 576, False)])
+def test_which_calls_the_narrow_gluon_kernel_covers(kv, mode, stride, expected):
+    assert dk._hopper_kernel_covers("gluon_sm90_narrow", torch.bfloat16, kv, mode, 512, 64, stride) is expected
 
 
 @pytest.mark.parametrize("H,kv_mode,expected", [(128, dk._KV_PLAIN, "gluon_sm90"), (40, dk._KV_FP8, "gluon_sm90"),
                                                 (128, dk._KV_DS, "gluon_sm90"), (32, dk._KV_PLAIN, "tl_dot"),
-                                                (16, dk._KV_FP8, "tl_dot")])
+                                                (16, dk._KV_FP8, "gluon_sm90_narrow"),
+                                                (16, dk._KV_DS, "gluon_sm90_narrow"), (8, dk._KV_FP8, "gluon_sm90_narrow"),
+                                                (16, dk._KV_PLAIN, "tl_dot"), (32, dk._KV_FP8, "tl_dot")])
 def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
     # What choose_config gives on an SM90 GPU with Gluon, seen from a CPU machine: the Gluon kernel at 64 heads
     # per program, at the tl.dot kernel's tiling and splits, which must be the Gluon kernel's default tiling.
@@ -142,3 +159,17 @@ def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
     if expected == "gluon_sm90":
         assert (cfg.block_n, cfg.num_stages) == dh.TILINGS[0] and cfg.block_h == dh.HEADS_PER_PROGRAM
         assert cfg.num_warps == dh.NUM_WARPS
+    if expected == "gluon_sm90_narrow":
+        assert (cfg.block_h, cfg.block_n, cfg.num_warps) == (dh.NARROW_BLOCK_H, dh.NARROW_BLOCK_N,
+                                                             dh.NARROW_NUM_WARPS)
+
+
+def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_own():
+    # A bf16 cache at 16 heads with the 16-head Gluon variant asked for: the tl.dot kernel at its own tiling.
+    c = dict(q_nope=torch.randn(2, 16, 512, dtype=torch.bfloat16), q_pe=torch.randn(2, 16, 64, dtype=torch.bfloat16),
+             kv_cache=torch.randn(4, 16, 576, dtype=torch.bfloat16), block_table=torch.tensor([[0, 1], [2, 3]],
+                                                                                              dtype=torch.int32),
+             seq_lens=torch.tensor([20, 30], dtype=torch.int32), softmax_scale=0.1, kv_scale=None)
+    launch = dk.DecodeLaunch(**c, config=dk.DecodeConfig(16, 64, 1, 4, 1, kernel="gluon_sm90_narrow"))
+    assert launch.config.kernel == "tl_dot"
+    assert launch.config.block_n == dk.tl_dot_config(2, 16, 32, torch.device("cpu")).block_n

@@ -449,6 +449,25 @@ def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
     check(ds, tol=TOL["ds"])
     small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
     assert tk.DecodeLaunch(**small).config.kernel == "tl_dot"
+    small_fp8 = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="fp8", seed=8)
+    poison_unread(small_fp8)
+    assert tk.DecodeLaunch(**small_fp8).config.kernel == "gluon_sm90_narrow"
+    check(small_fp8, tol=TOL["fp8"])
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("kv", ["fp8", "ds"])
+@pytest.mark.parametrize("H", [16, 8, 40])
+@pytest.mark.parametrize("page,Q,ns", [(64, 1, 1), (7, 2, 3), (1, 1, 2), (16, 4, 1)])
+def test_gpu_hopper_narrow_kernel(kv, H, page, Q, ns):
+    # The 16-head variant: H=8 leaves half a head block empty, H=40 takes three blocks (the last one half empty).
+    c = make_case(B=3, Q=Q, H=H, L=512, R=64, page=page, seq_lens=[700, 0, 64 * 3 + 5], dtype="fp8", kv=kv,
+                  seed=H + page + 1)
+    poison_unread(c)
+    config = DecodeConfig(16, 64, ns, 4, 1, kernel="gluon_sm90_narrow")
+    check(c, config=config, tol=TOL[kv])
+    assert tk.DecodeLaunch(**c, config=config).config.kernel == "gluon_sm90_narrow"
 
 
 def poison_unlisted(case, sparse_indices):
@@ -467,18 +486,20 @@ def poison_unlisted(case, sparse_indices):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("kind", ["bf16", "ds"])
-@pytest.mark.parametrize("H", [40, 128])
+@pytest.mark.parametrize("kind,H,kernel", [("bf16", 40, "gluon_sm90"), ("bf16", 128, "gluon_sm90"),
+                                           ("ds", 40, "gluon_sm90"), ("ds", 128, "gluon_sm90"),
+                                           ("ds", 16, "gluon_sm90_narrow"), ("ds", 40, "gluon_sm90_narrow")])
 @pytest.mark.parametrize("topk,ns", [(512, 1), (200, 3)])
-def test_gpu_hopper_kernel_sparse(kind, H, topk, ns):
+def test_gpu_hopper_kernel_sparse(kind, H, kernel, topk, ns):
     # Slot lists with -1 padding (30% of each row, and row 2 all padding), top-k not a multiple of the tile.
     dt, kv = (torch.bfloat16, "same") if kind == "bf16" else ("fp8", "ds")
     c = make_case(B=4, Q=1, H=H, L=512, R=64, page=64, seq_lens=[3000, 640, 5, 2048], dtype=dt, kv=kv,
                   seed=H + topk)
     idx = _sparse_indices(c, topk=topk, seed=23, pad_rows=(2,))
     poison_unlisted(c, idx)
-    config = DecodeConfig(64, 64, ns, 8, 2, kernel="gluon_sm90")
-    assert tk.DecodeLaunch(**c, sparse_indices=idx, config=config).config.kernel == "gluon_sm90"
+    config = (DecodeConfig(64, 64, ns, 8, 2, kernel=kernel) if kernel == "gluon_sm90"
+              else DecodeConfig(16, 64, ns, 4, 1, kernel=kernel))
+    assert tk.DecodeLaunch(**c, sparse_indices=idx, config=config).config.kernel == kernel
     out, lse = check(c, sparse_indices=idx, config=config, tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
     assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
 
@@ -486,16 +507,17 @@ def test_gpu_hopper_kernel_sparse(kind, H, topk, ns):
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("kv,q_gain,cache_gain,seed", [("fp8", 2e5, 1.0, 12), ("ds", 1.0, 1e5, 11)])
-def test_gpu_hopper_kernel_values_beyond_fp16(kv, q_gain, cache_gain, seed):
+@pytest.mark.parametrize("H,kernel", [(128, "gluon_sm90"), (16, "gluon_sm90_narrow")])
+def test_gpu_hopper_kernel_values_beyond_fp16(kv, q_gain, cache_gain, seed, H, kernel):
     # The Gluon kernel computes fp8 products in fp16 with q (fp8_e4m3) or q and the dequantized cache
     # (fp8_ds_mla) at 2^-8 of their values: values of ~1e5 (past fp16's 65504) must not overflow. The logits are
     # then ~1e4 and the softmax nearly one-hot: out is compared as usual, lse relative to its size.
-    c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[700, 129], dtype="fp8", kv=kv, seed=seed,
+    c = make_case(B=2, Q=1, H=H, L=512, R=64, page=64, seq_lens=[700, 129], dtype="fp8", kv=kv, seed=seed,
                   cache_gain=cache_gain)
     c["q_nope"] = c["q_nope"] * q_gain
     c["q_pe"] = c["q_pe"] * q_gain
     poison_unread(c)
-    assert tk.DecodeLaunch(**c).config.kernel == "gluon_sm90"
+    assert tk.DecodeLaunch(**c).config.kernel == kernel
     out, lse = run_checked(c)
     ref_o, ref_l = naive_reference(**c)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()

@@ -327,10 +327,15 @@ if _HAVE_TRITON:
         tl.store(LSE + rh, lse_out)
 
 
+KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
+
+
 class DecodeConfig:
     """Launch parameters of the decode kernel. ``kernel``: "tl_dot" (the ``tl.dot`` kernel, every GPU and the
-    interpreter) or "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense and
-    sparse calls on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64; num_warps 8, ``fp8_qk`` / ``fp16_mma`` unused)."""
+    interpreter), "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense and
+    sparse calls on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64) or "gluon_sm90_narrow" (its variant
+    for 16 heads per program, fp8_e4m3 and fp8_ds_mla caches; BLOCK_N 64, 4 warps). The Gluon kernels ignore
+    ``num_stages`` but the wide one's pipeline depth, and ``fp8_qk`` / ``fp16_mma``."""
 
     __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
@@ -346,8 +351,8 @@ class DecodeConfig:
         self.fp8_qk = fp8_qk
         # fp8 per-tensor caches: run the matrix products in fp16 (None: yes).
         self.fp16_mma = fp16_mma
-        if kernel not in ("tl_dot", "gluon_sm90"):
-            raise ValueError(f"kernel: expected 'tl_dot' or 'gluon_sm90', got {kernel!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
 
     def with_kernel(self, kernel: str) -> "DecodeConfig":
@@ -401,6 +406,26 @@ def choose_config(T: int, H: int, kv_len: int, kv_mode: int, device: torch.devic
 @functools.lru_cache(maxsize=1024)
 def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeConfig:
     device = torch.device(dev_type, dev_index) if dev_index is not None else torch.device(dev_type)
+    cfg = tl_dot_config(T, H, kv_len, device)
+    if not _hopper_kernel_runs_on(device):
+        return cfg
+    if cfg.block_h == 64:
+        # The Gluon kernel (decode_hopper) at the same tiling and splits: 1.5-1.8x the tl.dot kernel's speed at
+        # H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla; docs/benchmarks.md section 1). DecodeLaunch keeps
+        # the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
+        return cfg.with_kernel("gluon_sm90")
+    if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
+        # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (bf16 at 16 heads
+        # is already at the HBM floor on the tl.dot kernel, docs/benchmarks.md section 1).
+        h = _hopper()
+        ns = choose_splits(T, -(-H // h.NARROW_BLOCK_H), kv_len, h.NARROW_BLOCK_N, _sm_count(device) * 2)
+        return DecodeConfig(h.NARROW_BLOCK_H, h.NARROW_BLOCK_N, ns, h.NARROW_NUM_WARPS, 1, kernel="gluon_sm90_narrow")
+    return cfg
+
+
+def tl_dot_config(T: int, H: int, kv_len: int, device: torch.device) -> DecodeConfig:
+    """The ``tl.dot`` kernel's launch configuration for a call (what every GPU but SM90 runs, and what an SM90
+    call the Gluon kernels do not cover falls back to)."""
     if device.type != "cuda":
         # Interpreter: any legal shape computes the same thing; small tiles keep it quick.
         block_h = 16 if H <= 16 else 32
@@ -415,13 +440,7 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
         block_h, num_warps, block_n, stages, per_sm = 16, 4, 32, 3, 2
     hb = -(-H // block_h)
     ns = choose_splits(T, hb, kv_len, block_n, _sm_count(device) * per_sm)
-    cfg = DecodeConfig(block_h, block_n, ns, num_warps, stages)
-    if block_h == 64 and _hopper_kernel_runs_on(device):
-        # The Gluon kernel (decode_hopper) at the same tiling and splits: 1.5-1.8x the tl.dot kernel's speed at
-        # H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla; docs/benchmarks.md section 1). DecodeLaunch keeps
-        # the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
-        return cfg.with_kernel("gluon_sm90")
-    return cfg
+    return DecodeConfig(block_h, block_n, ns, num_warps, stages)
 
 
 _LAST_COMPILED = None  # most recent compiled decode kernel (benchmarks read its register/spill report)
@@ -439,16 +458,18 @@ def _hopper_kernel_runs_on(device: torch.device) -> bool:
             and _hopper().HAVE_GLUON)
 
 
-def _hopper_kernel_covers(q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_mode: int, L: int, R: int,
+def _hopper_kernel_covers(kernel: str, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_mode: int, L: int, R: int,
                           kv_row_stride: int) -> bool:
-    """Whether a call is one the Gluon kernel is written for (its device already chosen by choose_config); dense
-    and sparse calls alike.
+    """Whether a call is one the Gluon kernel ``kernel`` is written for (its device already chosen by
+    choose_config); dense and sparse calls alike. The 16-head variant takes fp8 caches only.
     Its cache rows are copied 16 bytes at a time, which needs a row stride of a multiple of 16 elements (what
     Triton specializes on) and a 16-byte aligned cache (checked per launch: ``DecodeLaunch._launch_main``)."""
     if (L, R) != (_hopper().L_DIM, _hopper().R_DIM) or q_dtype not in (torch.bfloat16, torch.float16):
         return False
     if kv_row_stride % 16:
         return False
+    if kernel == "gluon_sm90_narrow":
+        return kv_mode in (_KV_FP8, _KV_DS)
     return kv_mode in (_KV_FP8, _KV_DS) or (kv_mode == _KV_PLAIN and kv_dtype == q_dtype)
 
 
@@ -652,7 +673,7 @@ class DecodeLaunch:
         self.nothing_attended = False
         self.table_copy = self.indices_copy = False
         self.kv_scale_view = kv_scale is not None and (tuple(kv_scale.shape) != (1,) or kv_scale.dtype != torch.float32)
-        self.main = self.merge = None
+        self.main = self.merge = self.fallback = None
         self.partials = None  # (workspace, partial out, partial lse) of the last split call: _split_partials
         self.lse_scratch = None  # the [T, H] lse out-only calls write and nobody reads: _scratch_lse
         if self.nothing:
@@ -687,9 +708,13 @@ class DecodeLaunch:
             # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
             kv_len_hint = max(1, block_table.shape[1] * page_size)
         cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
-        if cfg.kernel == "gluon_sm90" and not _hopper_kernel_covers(q_nope.dtype, kv_cache.dtype, kv_mode, L, R,
-                                                                kv_cache.stride(1)):
-            cfg = cfg.with_kernel("tl_dot")
+        # Where a Gluon kernel cannot take the call (or a launch of it fails for lack of shared memory): the tl.dot
+        # kernel, at the Gluon kernel's tiling where that is the tl.dot kernel's own (64 heads per program).
+        self.fallback = (cfg.with_kernel("tl_dot") if cfg.block_h == 64
+                         else tl_dot_config(T, H, kv_len_hint, self.device))
+        if cfg.kernel != "tl_dot" and not _hopper_kernel_covers(cfg.kernel, q_nope.dtype, kv_cache.dtype, kv_mode, L,
+                                                                R, kv_cache.stride(1)):
+            cfg = self.fallback
         emulate = self.device.type != "cuda"
         self.kernel_scalars = (
             float(softmax_scale) * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -718,11 +743,11 @@ class DecodeLaunch:
         grid = (T * ns * triton.cdiv(H, cfg.block_h),)
         self.splits = ns
         self.partials = None
-        if cfg.kernel == "gluon_sm90":
-            # Same arguments; its pipeline depth is a constexpr of its own (Gluon has no num_stages).
-            self.main = KernelLaunch(_hopper().mla_decode_hopper, grid,
-                                     self.kernel_scalars + constants + (cfg.num_stages,),
-                                     dict(num_warps=_hopper().NUM_WARPS))
+        if cfg.kernel != "tl_dot":
+            # Same arguments; the pipeline depth is a constexpr of its own (Gluon has no num_stages).
+            kernel, num_warps = _hopper().KERNELS[cfg.kernel]
+            self.main = KernelLaunch(kernel, grid, self.kernel_scalars + constants + (cfg.num_stages,),
+                                     dict(num_warps=num_warps))
         else:
             self.main = KernelLaunch(_kernel_for(_mla_decode_kernel, self.device), grid,
                                      self.kernel_scalars + constants, dict(num_warps=cfg.num_warps,
@@ -786,10 +811,10 @@ class DecodeLaunch:
 
     def _launch_main(self, *tensors) -> None:
         global _LAST_COMPILED
-        if self.config.kernel == "gluon_sm90" and tensors[2].data_ptr() % 16:
+        if self.config.kernel != "tl_dot" and tensors[2].data_ptr() % 16:
             # A cache view off 16-byte alignment: the Gluon kernel's copies cannot take it (rare; this launch
             # keeps the tl.dot kernel from now on).
-            self._use(self.config.with_kernel("tl_dot"))
+            self._use(self.fallback)
         while True:
             try:
                 _LAST_COMPILED = self.main(*tensors)
@@ -804,8 +829,10 @@ class DecodeLaunch:
                 if cfg.kernel == "gluon_sm90":
                     smaller = [t for t in _hopper().TILINGS if t[0] < cfg.block_n]
                     self._use(DecodeConfig(cfg.block_h, smaller[0][0], cfg.num_splits, cfg.num_warps,
-                                           smaller[0][1], kernel="gluon_sm90") if smaller
-                              else cfg.with_kernel("tl_dot"))
+                                           smaller[0][1], kernel="gluon_sm90") if smaller else self.fallback)
+                    continue
+                if cfg.kernel != "tl_dot":
+                    self._use(self.fallback)
                     continue
                 self._use(DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
                                        cfg.fp8_qk, cfg.fp16_mma))

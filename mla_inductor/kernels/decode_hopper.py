@@ -1,4 +1,4 @@
-"""The Hopper (SM90) MLA paged-decode kernel, written in Gluon (Triton's explicit-layout dialect).
+"""The Hopper (SM90) MLA paged-decode kernels, written in Gluon (Triton's explicit-layout dialect).
 
 Same arguments and outputs as ``decode._mla_decode_kernel`` for dense and sparse calls on bf16/fp16, fp8_e4m3
 and fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split
@@ -16,11 +16,14 @@ merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/t
   columns as V. STAGES - 1 tiles are in flight while one is computed.
 * fp8_e4m3: tiles are loaded to registers (16-byte loads) and widened to fp16 (one cvt per pair; q is
   pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the tensor cores work on the
-  other: half of it while they compute its logits, half while they compute P V; each tile's rows are looked up a tile ahead and prefetched into L2 two tiles ahead.
-  The per-tensor scale goes onto the logits and the output.
+  other: half of it while they compute its logits, half while they compute P V; each tile's rows are looked up
+  a tile ahead and prefetched into L2 two tiles ahead. The per-tensor scale goes onto the logits and the output.
 * fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied, the bf16 rope
   copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite; the logits get 2^16 back and
   the output 2^8. Both products are then plain fp16 products.
+
+``mla_decode_hopper_narrow`` is its variant for few heads (16 per program) on fp8 caches: one warpgroup, the
+products swapped so the keys fill wgmma's 64 rows (logits^T = K q^T, out^T += V^T P^T), two programs per SM.
 
 Keys past a row's range, and slots outside the cache, are never read: their copies are predicated off and
 load as zeros. Keys past the range (and in sparse calls -1 padding and slots outside the cache) get logits
@@ -53,6 +56,8 @@ NUM_WARPS = 8
 # (BLOCK_N, STAGES): the default (decode.choose_config's tiling at 64 heads: ~225 KB of shared memory, one
 # program per SM on an H100/H200), then the fallback for parts with less shared memory.
 TILINGS = ((64, 2), (32, 3))
+# The 16-head variant (mla_decode_hopper_narrow): keys per tile (wgmma's M), heads per program, warps.
+NARROW_BLOCK_N, NARROW_BLOCK_H, NARROW_NUM_WARPS = 64, 16, 4
 
 if HAVE_GLUON:
     @gluon.jit
@@ -241,25 +246,11 @@ if HAVE_GLUON:
         return m_new, l_part, acc
 
     @gluon.jit
-    def mla_decode_hopper(
-        QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
-        OUT, LSE, POUT, PLSE,
-        qk_scale,
-        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-        stride_kv_row,
-        stride_bt_b, stride_sp_t,
-        num_slots,
-        H, Q_PER_SEQ, TOPK,
-        L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
-        KV_MODE: gl.constexpr, IS_SPARSE: gl.constexpr, DOT_PREC: gl.constexpr, EMULATE: gl.constexpr,
-        TRANS_LOAD: gl.constexpr, SWAP_QK: gl.constexpr, FP16_MMA: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):
-        gl.static_assert(BLOCK_H == 64)
-        gl.static_assert(KV_MODE == 0 or KV_MODE == 1 or KV_MODE == 2)
-        # Program order and split ranges as in decode._mla_decode_kernel (one grid, one merge for both kernels);
-        # written out again because a Gluon kernel cannot call a @triton.jit helper.
+    def _program_range(BT, SEQ, SPARSE, stride_bt_b, stride_sp_t, H, Q_PER_SEQ, TOPK, BLOCK_H: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, IS_SPARSE: gl.constexpr):
+        """This program's (head block, split, query row, table row b, table, table row stride, lo, hi): keys
+        [lo, hi) of row ``row``. Program order and split ranges as in decode._mla_decode_kernel (one grid, one
+        merge for every kernel); written out again because a Gluon kernel cannot call a @triton.jit helper."""
         NUM_HB = gl.cdiv(H, BLOCK_H)
         pid = gl.program_id(0)
         hb = pid % NUM_HB
@@ -281,6 +272,79 @@ if HAVE_GLUON:
         per_split = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * per_split
         hi = gl.minimum(lo + per_split, kv_len)
+        return hb, split, row, b, table, table_stride, lo, hi
+
+    @gluon.jit
+    def _stage_query(QN, QP, row, hb, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, qn_smem, qr_smem,
+                     L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, layout: gl.constexpr,
+                     cdt: gl.constexpr, KV_MODE: gl.constexpr):
+        """q of this program's heads ([BLOCK_H, L] and [BLOCK_H, R]) into shared memory as ``cdt``; heads past H
+        as zeros. For fp8 caches at 2^-8 of its value (see the kernels' scaling)."""
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+        hmask = offs_h < H
+        offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, layout))
+        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, layout))
+        qn = gl.load(QN + row.to(gl.int64) * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_l[None, :],
+                     mask=hmask[:, None], other=0.0)
+        if KV_MODE != 0:
+            qn = _times_2_to_the_minus_8(qn.to(gl.float32)).to(cdt)
+        qn_smem.store(qn)
+        qp = gl.load(QP + row.to(gl.int64) * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_r[None, :],
+                     mask=hmask[:, None], other=0.0)
+        if KV_MODE != 0:
+            qp = _times_2_to_the_minus_8(qp.to(gl.float32)).to(cdt)
+        qr_smem.store(qp)
+
+    @gluon.jit
+    def _write_result(acc, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, KV_SCALE, H, L: gl.constexpr,
+                      BLOCK_H: gl.constexpr, NUM_SPLITS: gl.constexpr, KV_MODE: gl.constexpr):
+        """Normalize ``acc`` ([BLOCK_H, L] fp32, any layout) by the row sums ``l_i`` and write it with the lse
+        (from ``m_i``, log2 domain): out / lse, or this split's partials. A row that saw no key writes 0 and
+        -inf."""
+        empty = l_i == 0.0
+        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+        if KV_MODE == 1:
+            inv = inv * gl.load(KV_SCALE)
+        elif KV_MODE == 2:
+            inv = inv * 256.0
+        lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+        inv_o = gl.convert_layout(inv, gl.SliceLayout(1, acc.type.layout))
+        out = acc * inv_o[:, None]
+        offs_h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, acc.type.layout))
+        offs_l_o = gl.arange(0, L, layout=gl.SliceLayout(0, acc.type.layout))
+        hmask_o = offs_h_o < H
+        offs_h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=m_i.type.layout)
+        hmask_s = offs_h_s < H
+        if NUM_SPLITS == 1:
+            o_ptr = OUT + row.to(gl.int64) * H * L + offs_h_o[:, None] * L + offs_l_o[None, :]
+            gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=hmask_o[:, None])
+            gl.store(LSE + row.to(gl.int64) * H + offs_h_s, lse2 * 0.6931471805599453, mask=hmask_s)
+        else:
+            ph_o = (row.to(gl.int64) * H + offs_h_o) * NUM_SPLITS + split
+            gl.store(POUT + ph_o[:, None] * L + offs_l_o[None, :], out, mask=hmask_o[:, None])
+            ph_s = (row.to(gl.int64) * H + offs_h_s) * NUM_SPLITS + split
+            gl.store(PLSE + ph_s, lse2, mask=hmask_s)
+
+    @gluon.jit
+    def mla_decode_hopper(
+        QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
+        OUT, LSE, POUT, PLSE,
+        qk_scale,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+        stride_kv_row,
+        stride_bt_b, stride_sp_t,
+        num_slots,
+        H, Q_PER_SEQ, TOPK,
+        L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
+        KV_MODE: gl.constexpr, IS_SPARSE: gl.constexpr, DOT_PREC: gl.constexpr, EMULATE: gl.constexpr,
+        TRANS_LOAD: gl.constexpr, SWAP_QK: gl.constexpr, FP16_MMA: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        gl.static_assert(BLOCK_H == 64)
+        gl.static_assert(KV_MODE == 0 or KV_MODE == 1 or KV_MODE == 2)
+        hb, split, row, b, table, table_stride, lo, hi = _program_range(
+            BT, SEQ, SPARSE, stride_bt_b, stride_sp_t, H, Q_PER_SEQ, TOPK, BLOCK_H, BLOCK_N, NUM_SPLITS, IS_SPARSE)
 
         if KV_MODE == 1:
             # e4m3 -> fp16 is one cvt per pair (bf16 needs a detour through fp32); q is pre-scaled by 2^-8 (exact)
@@ -316,21 +380,8 @@ if HAVE_GLUON:
         # Where the two warpgroups exchange their halves of the row max (and at the end of the row sum).
         xchg = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
-        # q: [64 heads, 512 + 64], rows past H read as zeros.
-        offs_h_ld = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
-        hmask_ld = offs_h_ld < H
-        offs_l_ld = gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))
-        offs_r_ld = gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))
-        qn = gl.load(QN + row.to(gl.int64) * stride_qn_t + offs_h_ld[:, None] * stride_qn_h + offs_l_ld[None, :],
-                     mask=hmask_ld[:, None], other=0.0)
-        if KV_MODE != 0:
-            qn = _times_2_to_the_minus_8(qn.to(gl.float32)).to(cdt)
-        qn_smem.store(qn)
-        qp = gl.load(QP + row.to(gl.int64) * stride_qp_t + offs_h_ld[:, None] * stride_qp_h + offs_r_ld[None, :],
-                     mask=hmask_ld[:, None], other=0.0)
-        if KV_MODE != 0:
-            qp = _times_2_to_the_minus_8(qp.to(gl.float32)).to(cdt)
-        qr_smem.store(qp)
+        _stage_query(QN, QP, row, hb, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, qn_smem, qr_smem, L, R,
+                     BLOCK_H, ld_layout, cdt, KV_MODE)
 
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
         # The row sum per warpgroup ([BLOCK_H, 2], see _softmax_pv), in the layout its per-tile sums come in.
@@ -399,26 +450,116 @@ if HAVE_GLUON:
         # Every warp is past its last read of xchg (the last tile's P barrier lies between).
         l_a, l_b = _both_halves(l_part, xchg, m_i)
         l_i = l_a + l_b
-        empty = l_i == 0.0
-        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+        _write_result(acc, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, KV_SCALE, H, L, BLOCK_H, NUM_SPLITS,
+                      KV_MODE)
+
+    @gluon.jit
+    def _per_warp(x, reduce: gl.constexpr):
+        """``x`` [BLOCK_N, BLOCK_H] (the narrow kernel's logits^T: warp w holds keys [16w, 16w + 16)) reduced over
+        each warp's own keys: [4, BLOCK_H], row w from warp w. No data crosses a warp."""
+        return reduce(gl.reshape(x, [4, x.shape[0] // 4, x.shape[1]]), 1)
+
+    @gluon.jit
+    def _max_across_warps(part, xchg, like):
+        """The column maxima of ``part`` ([4, BLOCK_H], row w held by warp w) in the layout of ``like``, through
+        the shared buffer ``xchg`` and one CTA barrier. The caller keeps a barrier between this exchange and the
+        next write of ``xchg``."""
+        xchg.store(part)
+        _cta_barrier()
+        rows = _smem_reinterpret(xchg, gl.float32, xchg.shape, gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        return gl.maximum(gl.maximum(rows.index(0).load(like.type.layout), rows.index(1).load(like.type.layout)),
+                          gl.maximum(rows.index(2).load(like.type.layout), rows.index(3).load(like.type.layout)))
+
+    @gluon.jit
+    def mla_decode_hopper_narrow(
+        QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
+        OUT, LSE, POUT, PLSE,
+        qk_scale,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+        stride_kv_row,
+        stride_bt_b, stride_sp_t,
+        num_slots,
+        H, Q_PER_SEQ, TOPK,
+        L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
+        KV_MODE: gl.constexpr, IS_SPARSE: gl.constexpr, DOT_PREC: gl.constexpr, EMULATE: gl.constexpr,
+        TRANS_LOAD: gl.constexpr, SWAP_QK: gl.constexpr, FP16_MMA: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """Few heads (BLOCK_H = 16 or 32 per program), fp8_e4m3 and fp8_ds_mla caches: one warpgroup, both
+        products with the keys on wgmma's M side, whose 64 rows few heads cannot fill: logits^T [keys, heads] =
+        K q^T and out^T [L, heads] += V^T P^T (V^T read through a transposed view of the same shared tile). Each
+        tile is widened (dequantized) to fp16 into the one shared tile, then both products run; two programs
+        share an SM (about 95 KB of shared memory each), so one's widening overlaps the other's products. The
+        tile after next is prefetched into L2. Same arguments, scaling and outputs as ``mla_decode_hopper``."""
+        gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32)
+        gl.static_assert(BLOCK_N == 64)  # wgmma's M
+        gl.static_assert(KV_MODE == 1 or KV_MODE == 2)
+        hb, split, row, b, table, table_stride, lo, hi = _program_range(
+            BT, SEQ, SPARSE, stride_bt_b, stride_sp_t, H, Q_PER_SEQ, TOPK, BLOCK_H, BLOCK_N, NUM_SPLITS, IS_SPARSE)
+        cdt: gl.constexpr = gl.float16
         if KV_MODE == 1:
-            inv = inv * kv_scale
-        elif KV_MODE == 2:
-            inv = inv * 256.0
-        lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
-        inv_o = gl.convert_layout(inv, gl.SliceLayout(1, o_layout))
-        out = acc * inv_o[:, None]
-        offs_h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        offs_l_o = gl.arange(0, L, layout=gl.SliceLayout(0, o_layout))
-        hmask_o = offs_h_o < H
-        offs_h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        hmask_s = offs_h_s < H
-        if NUM_SPLITS == 1:
-            o_ptr = OUT + row.to(gl.int64) * H * L + offs_h_o[:, None] * L + offs_l_o[None, :]
-            gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=hmask_o[:, None])
-            gl.store(LSE + row.to(gl.int64) * H + offs_h_s, lse2 * 0.6931471805599453, mask=hmask_s)
+            qk_scale = qk_scale * 256.0 * gl.load(KV_SCALE)
         else:
-            ph_o = (row.to(gl.int64) * H + offs_h_o) * NUM_SPLITS + split
-            gl.store(POUT + ph_o[:, None] * L + offs_l_o[None, :], out, mask=hmask_o[:, None])
-            ph_s = (row.to(gl.int64) * H + offs_h_s) * NUM_SPLITS + split
-            gl.store(PLSE + ph_s, lse2, mask=hmask_s)
+            qk_scale = qk_scale * 65536.0
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads of q
+        f_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16-byte loads of e4m3 rows
+        pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # the output's stores
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_H, 16])
+        qn_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, L], gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], cdt))
+        qr_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], cdt))
+        kn = gl.allocate_shared_memory(cdt, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], cdt))
+        kr = gl.allocate_shared_memory(cdt, [BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], cdt))
+        p_smem = gl.allocate_shared_memory(cdt, [BLOCK_N, BLOCK_H],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], cdt))
+        # Where the four warps exchange their keys' maxima (see _max_across_warps).
+        xchg = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        _stage_query(QN, QP, row, hb, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, qn_smem, qr_smem, L, R,
+                     BLOCK_H, q_layout, cdt, KV_MODE)
+
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(0, s_layout))
+        # The row sums per warp ([4, BLOCK_H]): every warp rescales by the same alpha, so they add up at the end.
+        l_part = _per_warp(gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout), gl.sum)
+        acc = gl.zeros([L, BLOCK_H], gl.float32, layout=s_layout)  # out^T
+        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        rows, ok = _cache_rows(KV, table, b, lo, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
+                               f_layout, IS_SPARSE)
+        for start in range(lo, hi, BLOCK_N):
+            _cta_barrier()  # every warp is done with the previous tile's products (waited) before it is overwritten
+            _widen_half(rows, ok, kn, kr, 0, L, R, f_layout, cdt, KV_MODE)
+            _widen_half(rows, ok, kn, kr, 1, L, R, f_layout, cdt, KV_MODE)
+            rows, ok = _cache_rows(KV, table, b, start + BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
+                                   PAGE_SIZE, BLOCK_N, f_layout, IS_SPARSE)
+            fence_async_shared()
+            _cta_barrier()
+            s_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
+            s_acc = warpgroup_mma(kn, qn_smem.permute((1, 0)), s_acc, use_acc=False, is_async=True)
+            s_acc = warpgroup_mma(kr, qr_smem.permute((1, 0)), s_acc, is_async=True)
+            if start + 2 * BLOCK_N < hi:
+                rows_pf, _ = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
+                                         PAGE_SIZE, BLOCK_N, pf_layout, IS_SPARSE)
+                _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
+            attended = _attended(table, b, start, hi, table_stride, num_slots, offs_n_s, PAGE_SIZE, IS_SPARSE)
+            s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
+            qk = gl.where(attended[:, None], s_acc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, _max_across_warps(_per_warp(qk, gl.max), xchg, m_i))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(qk - m_new[None, :])
+            p_smem.store(p.to(cdt))
+            fence_async_shared()
+            _cta_barrier()
+            acc = warpgroup_mma(kn.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
+            l_part = l_part * gl.convert_layout(alpha, gl.SliceLayout(0, l_part.type.layout))[None, :] \
+                + _per_warp(p, gl.sum)
+            m_i = m_new
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        l_i = gl.convert_layout(gl.sum(l_part, 0), m_i.type.layout)
+        out = gl.convert_layout(gl.permute(acc, (1, 0)), st_layout)  # [heads, L], rows of L stored contiguously
+        _write_result(out, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, KV_SCALE, H, L, BLOCK_H, NUM_SPLITS,
+                      KV_MODE)
+
+    # The kernels by DecodeConfig.kernel name, with the warps each is written for.
+    KERNELS = {"gluon_sm90": (mla_decode_hopper, NUM_WARPS),
+               "gluon_sm90_narrow": (mla_decode_hopper_narrow, NARROW_NUM_WARPS)}
