@@ -2,7 +2,7 @@
 
 - ``decode``: MLA paged decode (dense and top-k sparse; bf16/fp16/fp32, fp8_e4m3 and fp8_ds_mla caches).
 - ``decode_hopper``: the same decode in Gluon for SM90 (dense and sparse; bf16/fp16, fp8_e4m3 and fp8_ds_mla, 64
-  heads per program); ``decode`` launches it where it covers the call.
+  heads per program; a 16-head variant for fp8 caches); ``decode`` launches it where it covers the call.
 - ``cache_append``: writes new tokens into a paged cache (quantizing for fp8), no host sync.
 - ``fp8_query``: per-tensor e4m3 quantization of a query on the device.
 - ``empty_rows``: the epilogue giving rows that see no key out 0 and lse -inf.
