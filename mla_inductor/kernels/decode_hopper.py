@@ -60,6 +60,8 @@ TILINGS = ((64, 2), (32, 3))
 NARROW_BLOCK_N, NARROW_BLOCK_H, NARROW_NUM_WARPS = 64, 16, 4
 
 if HAVE_GLUON:
+    # The slot lookup as in decode._mla_decode_kernel, written out again: a Gluon kernel cannot call a @triton.jit
+    # helper.
     @gluon.jit
     def _slots(table, b, offs_n, hi, table_stride, num_slots, PAGE_SIZE: gl.constexpr, IS_SPARSE: gl.constexpr):
         """Cache slots of keys ``offs_n`` (any layout) of row ``b`` of ``table`` and whether each is attended: keys
@@ -470,6 +472,7 @@ if HAVE_GLUON:
         return gl.maximum(gl.maximum(rows.index(0).load(like.type.layout), rows.index(1).load(like.type.layout)),
                           gl.maximum(rows.index(2).load(like.type.layout), rows.index(3).load(like.type.layout)))
 
+    # The same arguments as mla_decode_hopper (DecodeLaunch launches either with one argument list).
     @gluon.jit
     def mla_decode_hopper_narrow(
         QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
@@ -486,13 +489,14 @@ if HAVE_GLUON:
         TRANS_LOAD: gl.constexpr, SWAP_QK: gl.constexpr, FP16_MMA: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """Few heads (BLOCK_H = 16 or 32 per program), fp8_e4m3 and fp8_ds_mla caches: one warpgroup, both
+        """Few heads (16 per program), fp8_e4m3 and fp8_ds_mla caches: one warpgroup, both
         products with the keys on wgmma's M side, whose 64 rows few heads cannot fill: logits^T [keys, heads] =
         K q^T and out^T [L, heads] += V^T P^T (V^T read through a transposed view of the same shared tile). Each
         tile is widened (dequantized) to fp16 into the one shared tile, then both products run; two programs
         share an SM (about 95 KB of shared memory each), so one's widening overlaps the other's products. The
         tile after next is prefetched into L2. Same arguments, scaling and outputs as ``mla_decode_hopper``."""
-        gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32)
+        # (32 heads per program would need 115 KB of shared memory, one program per SM, and spilled.)
+        gl.static_assert(BLOCK_H == 16)
         gl.static_assert(BLOCK_N == 64)  # wgmma's M
         gl.static_assert(KV_MODE == 1 or KV_MODE == 2)
         hb, split, row, b, table, table_stride, lo, hi = _program_range(
