@@ -141,7 +141,8 @@ TABLE: tuple[Row, ...] = (
         "H100, up to 32 sequences, few heads, a graph of one call: our Triton kernel 74.9 us with CUDA graphs and "
         "82.7 without, against FlashMLA's 98.9 / 231.7 us (its schedule and combine run every graph call) and "
         "sgl-flash-mla's direct call 71.3 us (B=32, H=16, S=4096; docs/benchmarks.md section 4, tenth run). "
-        "At H=128 FlashMLA stays: Triton took 184 us there",
+        "At H=128 FlashMLA stays: Triton took 184 us there (the tl.dot kernel; not re-measured since the Gluon "
+        "kernel)",
         max_batch=32, max_heads=16, graph=ONE_CALL_GRAPH),
     Row("sm90", BF16, False, SM90_FA3_FIRST,
         "H100, up to 16 sequences, eager or compiled without CUDA graphs: the step is host-bound, and our call "
