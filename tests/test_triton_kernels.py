@@ -259,6 +259,50 @@ def test_sparse(kind):
     check(c, sparse_indices=idx, config=cfg(ns=1), tol=TOL[torch.bfloat16 if kind == "bf16" else "ds"])
 
 
+@cpu_only
+@pytest.mark.parametrize("kernel", ["gluon_sm90", "gluon_sm90_narrow"])
+def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(kernel, monkeypatch):
+    # A GPU with less shared memory than the H100 the Gluon tilings were written for: the launch raises
+    # OutOfResources, and the call ends on the tl.dot kernel (the wide kernel first tries its smaller tiling).
+    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[40, 7], dtype="fp8", kv="fp8", seed=3)
+    config = (DecodeConfig(64, 64, 1, 8, 2, kernel=kernel) if kernel == "gluon_sm90"
+              else DecodeConfig(16, 64, 1, 4, 1, kernel=kernel))
+    launch = tk.DecodeLaunch(**c, config=config)
+    assert launch.config.kernel == kernel
+
+    class OutOfResources(Exception):  # what Triton raises, matched by name
+        pass
+
+    tried = []
+
+    def short_of_shared_memory(launch_of):
+        inner = launch_of.main
+
+        def call(*tensors):
+            tried.append(launch_of.config.kernel)
+            if launch_of.config.kernel != "tl_dot":
+                raise OutOfResources("shared memory")
+            return inner(*tensors)
+        return call
+
+    original_use = tk.DecodeLaunch._use
+
+    def use(self, cfg):
+        original_use(self, cfg)
+        self.main = short_of_shared_memory(self)
+
+    monkeypatch.setattr(tk.DecodeLaunch, "_use", use)
+    launch._use(launch.config)
+    out, lse = launch(c["q_nope"], c["q_pe"], c["kv_cache"], c["block_table"], c["seq_lens"], c["kv_scale"])
+    assert tried[0] == kernel and tried[-1] == "tl_dot" and launch.config.kernel == "tl_dot"
+    # The wide kernel's fallback keeps its tiling (the tl.dot kernel's own at 64 heads); the narrow one's is the
+    # tl.dot kernel's own configuration for the call.
+    own = tk.tl_dot_config(2, 16, 64, c["q_nope"].device) if kernel == "gluon_sm90_narrow" else config
+    assert (launch.config.block_h, launch.config.block_n) == (own.block_h, own.block_n)
+    ref_o, _ = naive_reference(**c)
+    assert rel_l2(out.float().cpu(), ref_o) < TOL["fp8"]
+
+
 def _column_strided(t):
     """The same values as ``t`` [rows, cols] in a column-major buffer (stride(1) != 1): the launch copies it."""
     strided = torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).t()
