@@ -164,8 +164,10 @@ def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
                                                              dh.NARROW_NUM_WARPS)
 
 
-def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_own():
-    # A bf16 cache at 16 heads with the 16-head Gluon variant asked for: the tl.dot kernel at its own tiling.
+def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_own(monkeypatch):
+    # A bf16 cache at 16 heads with the 16-head Gluon variant asked for (on an SM90 GPU, as far as DecodeLaunch
+    # can tell): the tl.dot kernel at its own tiling.
+    monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
     c = dict(q_nope=torch.randn(2, 16, 512, dtype=torch.bfloat16), q_pe=torch.randn(2, 16, 64, dtype=torch.bfloat16),
              kv_cache=torch.randn(4, 16, 576, dtype=torch.bfloat16), block_table=torch.tensor([[0, 1], [2, 3]],
                                                                                               dtype=torch.int32),

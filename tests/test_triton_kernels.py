@@ -267,6 +267,7 @@ def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(k
     c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[40, 7], dtype="fp8", kv="fp8", seed=3)
     config = (DecodeConfig(64, 64, 1, 8, 2, kernel=kernel) if kernel == "gluon_sm90"
               else DecodeConfig(16, 64, 1, 4, 1, kernel=kernel))
+    monkeypatch.setattr(tk, "_hopper_kernel_runs_on", lambda device: True)  # as if on an SM90 GPU
     launch = tk.DecodeLaunch(**c, config=config)
     assert launch.config.kernel == kernel
 
@@ -301,6 +302,16 @@ def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(k
     assert (launch.config.block_h, launch.config.block_n) == (own.block_h, own.block_n)
     ref_o, _ = naive_reference(**c)
     assert rel_l2(out.float().cpu(), ref_o) < TOL["fp8"]
+
+
+@cpu_only
+@pytest.mark.parametrize("kernel", ["gluon_sm90", "gluon_sm90_narrow"])
+def test_a_gluon_config_off_sm90_is_a_clear_error(kernel):
+    if tk._hopper_kernel_runs_on(torch.device(DEV)):
+        pytest.skip("this device runs the Gluon kernels")
+    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[40, 7], dtype="fp8", kv="fp8", seed=3)
+    with pytest.raises(ValueError, match=f"kernel='{kernel}' runs on SM90 GPUs"):
+        tk.DecodeLaunch(**c, config=DecodeConfig(16, 64, 1, 4, 1, kernel=kernel))
 
 
 def _column_strided(t):

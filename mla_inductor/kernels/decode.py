@@ -708,6 +708,9 @@ class DecodeLaunch:
             # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
             kv_len_hint = max(1, block_table.shape[1] * page_size)
         cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
+        if cfg.kernel != "tl_dot" and not _hopper_kernel_runs_on(self.device):
+            raise ValueError(f"config: kernel={cfg.kernel!r} runs on SM90 GPUs with a Triton that has Gluon's Hopper "
+                             f"ops; this call is on {self.device}: use kernel='tl_dot'")
         # Where a Gluon kernel cannot take the call (or a launch of it fails for lack of shared memory): the tl.dot
         # kernel, at the Gluon kernel's tiling where that is the tl.dot kernel's own (64 heads per program).
         self.fallback = (cfg.with_kernel("tl_dot") if cfg.block_h == 64
