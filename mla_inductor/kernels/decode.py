@@ -334,8 +334,8 @@ class DecodeConfig:
     """Launch parameters of the decode kernel. ``kernel``: "tl_dot" (the ``tl.dot`` kernel, every GPU and the
     interpreter), "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense and
     sparse calls on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64) or "gluon_sm90_narrow" (its variant
-    for 16 heads per program, fp8_e4m3 and fp8_ds_mla caches; BLOCK_N 64, 4 warps). The Gluon kernels ignore
-    ``num_stages`` but the wide one's pipeline depth, and ``fp8_qk`` / ``fp16_mma``."""
+    for 16 heads per program, fp8_e4m3 and fp8_ds_mla caches; BLOCK_N 64, 4 warps). For "gluon_sm90"
+    ``num_stages`` is its pipeline depth; the narrow variant has none; both ignore ``fp8_qk`` / ``fp16_mma``."""
 
     __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
