@@ -252,7 +252,7 @@ def test_product_text_speaks_of_the_product():
 # ----------------------------------------------------------------------------- benchmarks anyone can run
 
 BENCHMARKS = ("bench_kernels.py", "bench_pass.py", "bench_e2e.py", "bench_generate.py", "bench_modes.py",
-              "bench_triton_launch.py")
+              "bench_triton_launch.py", "bench_kernel_variants.py")
 
 
 def test_benchmarks_read_no_environment_and_edit_no_import_path():
