@@ -298,15 +298,15 @@ if HAVE_GLUON:
         qr_smem.store(qp)
 
     @gluon.jit
-    def _write_result(acc, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, KV_SCALE, H, L: gl.constexpr,
+    def _write_result(acc, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, kv_scale, H, L: gl.constexpr,
                       BLOCK_H: gl.constexpr, NUM_SPLITS: gl.constexpr, KV_MODE: gl.constexpr):
         """Normalize ``acc`` ([BLOCK_H, L] fp32, any layout) by the row sums ``l_i`` and write it with the lse
         (from ``m_i``, log2 domain): out / lse, or this split's partials. A row that saw no key writes 0 and
-        -inf."""
+        -inf. ``kv_scale``: the per-tensor scale of an e4m3 cache (KV_MODE 1; unused otherwise)."""
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
         if KV_MODE == 1:
-            inv = inv * gl.load(KV_SCALE)
+            inv = inv * kv_scale
         elif KV_MODE == 2:
             inv = inv * 256.0
         lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
@@ -361,8 +361,10 @@ if HAVE_GLUON:
             # ~1.7e7; the logits get 2^16 back and the output 2^8.
             cdt: gl.constexpr = gl.float16
             qk_scale = qk_scale * 65536.0
+            kv_scale = 1.0  # (unused)
         else:
             cdt: gl.constexpr = QN.dtype.element_ty
+            kv_scale = 1.0  # (unused)
         # Layouts. Loads: 16-byte vectors along the latent dim; MMA results: two warpgroups side by side.
         VEC: gl.constexpr = 16 // (KV.dtype.element_ty.primitive_bitwidth // 8)  # elements per 16-byte copy
         ld_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [8, 1], [1, 0])
@@ -452,7 +454,7 @@ if HAVE_GLUON:
         # Every warp is past its last read of xchg (the last tile's P barrier lies between).
         l_a, l_b = _both_halves(l_part, xchg, m_i)
         l_i = l_a + l_b
-        _write_result(acc, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, KV_SCALE, H, L, BLOCK_H, NUM_SPLITS,
+        _write_result(acc, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, kv_scale, H, L, BLOCK_H, NUM_SPLITS,
                       KV_MODE)
 
     @gluon.jit
@@ -493,9 +495,9 @@ if HAVE_GLUON:
         products with the keys on wgmma's M side, whose 64 rows few heads cannot fill: logits^T [keys, heads] =
         K q^T and out^T [L, heads] += V^T P^T (V^T read through a transposed view of the same shared tile). Each
         tile is widened (dequantized) to fp16 into the one shared tile, then both products run; two programs
-        share an SM (about 95 KB of shared memory each), so one's widening overlaps the other's products. The
+        share an SM (under half of its shared memory each), so one's widening overlaps the other's products. The
         tile after next is prefetched into L2. Same arguments, scaling and outputs as ``mla_decode_hopper``."""
-        # (32 heads per program would need 115 KB of shared memory, one program per SM, and spilled.)
+        # (32 heads per program would not fit two programs per SM, and spilled registers.)
         gl.static_assert(BLOCK_H == 16)
         gl.static_assert(BLOCK_N == 64)  # wgmma's M
         gl.static_assert(KV_MODE == 1 or KV_MODE == 2)
@@ -503,9 +505,11 @@ if HAVE_GLUON:
             BT, SEQ, SPARSE, stride_bt_b, stride_sp_t, H, Q_PER_SEQ, TOPK, BLOCK_H, BLOCK_N, NUM_SPLITS, IS_SPARSE)
         cdt: gl.constexpr = gl.float16
         if KV_MODE == 1:
-            qk_scale = qk_scale * 256.0 * gl.load(KV_SCALE)
+            kv_scale = gl.load(KV_SCALE)
+            qk_scale = qk_scale * 256.0 * kv_scale
         else:
             qk_scale = qk_scale * 65536.0
+            kv_scale = 1.0  # (unused)
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads of q
         f_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16-byte loads of e4m3 rows
         pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
@@ -561,7 +565,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         l_i = gl.convert_layout(gl.sum(l_part, 0), m_i.type.layout)
         out = gl.convert_layout(gl.permute(acc, (1, 0)), st_layout)  # [heads, L], rows of L stored contiguously
-        _write_result(out, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, KV_SCALE, H, L, BLOCK_H, NUM_SPLITS,
+        _write_result(out, m_i, l_i, row, hb, split, OUT, LSE, POUT, PLSE, kv_scale, H, L, BLOCK_H, NUM_SPLITS,
                       KV_MODE)
 
     # The kernels by DecodeConfig.kernel name, with the warps each is written for.
