@@ -75,7 +75,9 @@ def _compile_all() -> dict:
         report[key] = {"shared": k.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
                        "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx)),
                        "ld16": len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
-                       "prefetch": len(re.findall(r"prefetch\.global\.L2", ptx))}
+                       "prefetch": len(re.findall(r"prefetch\.global\.L2", ptx)),
+                       "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
+                       "mbarrier_wait": len(re.findall(r"mbarrier\.try_wait", ptx))}
     return report
 
 
@@ -108,6 +110,11 @@ def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits
         # e4m3 and fp8_ds_mla tiles go through registers to be widened: 16-byte loads, prefetched into L2 ahead.
         assert got["ld16"] > 0, "cache rows must be loaded 16 bytes at a time"
         assert got["prefetch"] > 0, "the tile after the next must be prefetched into L2"
+    if kernel == "gluon_sm90" and kv_mode != 0:
+        # Widened by a warpgroup of its own, handing tiles over through mbarriers, with its registers given back
+        # to the consumers (setmaxnreg).
+        assert got["setmaxnreg"] > 0 and got["mbarrier_wait"] > 0, \
+            "fp8 tiles must be widened by a warp-specialized producer"
 
 
 def test_config_on_cpu_is_the_tl_dot_kernel():

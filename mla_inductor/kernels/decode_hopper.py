@@ -14,13 +14,15 @@ merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/t
 * bf16/fp16: each KV tile is copied once (cp.async, 16 bytes per copy) into the wgmma operand layout and read
   by both products straight from shared memory: K^T through a transposed view for the logits, the first 512
   columns as V. STAGES - 1 tiles are in flight while one is computed.
-* fp8_e4m3: tiles are loaded to registers (16-byte loads) and widened to fp16 (one cvt per pair; q is
-  pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the tensor cores work on the
-  other: half of it while they compute its logits, half while they compute P V; each tile's rows are looked up
-  a tile ahead and prefetched into L2 two tiles ahead. The per-tensor scale goes onto the logits and the output.
-* fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied, the bf16 rope
-  copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite; the logits get 2^16 back and
-  the output 2^8. Both products are then plain fp16 products.
+* fp8_e4m3: warp-specialized. A fourth warpgroup (a Gluon worker partition with few registers; the two
+  consumer warpgroups get the rest) loads each tile to registers (16-byte loads) and widens it to fp16 (one cvt
+  per pair; q is pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the consumers run
+  the logits, softmax and P V on the other; mbarriers hand the tiles over (ready: widened; free: the consumers'
+  last product on it is done). The tile after next is prefetched into L2. The per-tensor scale goes onto the
+  logits and the output.
+* fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied in fp16
+  arithmetic, the bf16 rope copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite;
+  the logits get 2^16 back and the output 2^8. Both products are then plain fp16 products.
 
 ``mla_decode_hopper_narrow`` is its variant for few heads (16 per program) on fp8 caches: one warpgroup, the
 products swapped so the keys fill wgmma's 64 rows (logits^T = K q^T, out^T += V^T P^T), two programs per SM.
@@ -38,7 +40,8 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 
     from mla_inductor._compat import gluon_async_load, gluon_cta_barrier, gluon_smem_reinterpret
 
@@ -118,17 +121,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _widen_half(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                    layout: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr):
+                    layout: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr, DS_IN_FP16: gl.constexpr):
         """Half ``HALF`` of the cache rows ``rows`` (16-byte loads; zeros where not ``ok``) widened to ``cdt``:
         0 = latent columns [0, L/2) and the rope, 1 = latent columns [L/2, L). e4m3 (KV_MODE 1) is converted;
-        fp8_ds_mla (2) is dequantized (``_widen_half_ds``)."""
+        fp8_ds_mla (2) is dequantized (``_widen_half_ds_fp16`` if DS_IN_FP16, else ``_widen_half_ds_fp32``)."""
         HL: gl.constexpr = L // 2
         if KV_MODE == 1:
-            kn_wide.slice(HALF * HL, HL, dim=1).store(_load_columns(rows, ok, HALF * HL, HL, layout).to(cdt))
+            # Every load of the half before its first store: one wait for memory per half.
+            x = _load_columns(rows, ok, HALF * HL, HL, layout)
             if HALF == 0:
-                kr_wide.store(_load_columns(rows, ok, L, R, layout).to(cdt))
+                rope = _load_columns(rows, ok, L, R, layout)
+            kn_wide.slice(HALF * HL, HL, dim=1).store(x.to(cdt))
+            if HALF == 0:
+                kr_wide.store(rope.to(cdt))
+        elif DS_IN_FP16:
+            _widen_half_ds_fp16(rows, ok, kn_wide, kr_wide, HALF, L, R, layout, cdt)
         else:
-            _widen_half_ds(rows, ok, kn_wide, kr_wide, HALF, L, R, layout, cdt)
+            _widen_half_ds_fp32(rows, ok, kn_wide, kr_wide, HALF, L, R, layout, cdt)
 
     @gluon.jit
     def _times_2_to_the_minus_8(x):
@@ -139,12 +148,67 @@ if HAVE_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _widen_half_ds(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    def _fp16_factors(scale):
+        """Per-row fp32 scales times 2^-8 as three fp16 factors: (hi + lo) * power. power is the power of two
+        (clamped to fp16's range, 2^-24 to 2^15: exact); hi + lo the rest (1.m for scales between ~1.5e-5 and
+        ~1.6e7) to ~22 bits, so the scale itself adds no error fp16 would see, and fp16 keeps its precision down to
+        scales of ~1e-9."""
+        power_of_two = (scale.to(gl.int32, bitcast=True) & 0x7F800000).to(gl.float32, bitcast=True)
+        power = gl.minimum(gl.maximum(_times_2_to_the_minus_8(power_of_two), 5.960464477539063e-08), 32768.0)
+        rest = _times_2_to_the_minus_8(scale) / power
+        hi = rest.to(gl.float16)
+        return hi, (rest - hi.to(gl.float32)).to(gl.float16), power.to(gl.float16)
+
+    @gluon.jit
+    def _times_fp16(x, hi, lo, power):
+        """x * (hi + lo) * power (x [rows, cols] fp16; the factors per row) in fp16 arithmetic, three packed
+        instructions per pair of values: x * hi + x * lo with one rounding (fma), then times a power of two
+        (exact unless the result lands below fp16's normals: what one rounding to fp16 would give there too)."""
+        hi = gl.broadcast(hi[:, None], x)[0]
+        lo = gl.broadcast(lo[:, None], x)[0]
+        power = gl.broadcast(power[:, None], x)[0]
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; mul.rn.f16x2 t, $1, $2; fma.rn.f16x2 t, $1, $3, t; mul.rn.f16x2 $0, t, $4; }",
+            "=r,r,r,r,r", [x, hi, lo, power], dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _widen_half_ds_fp16(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                            layout: gl.constexpr, cdt: gl.constexpr):
+        """Half ``HALF`` (as in ``_widen_half``) of fp8_ds_mla cache rows ``rows`` (read through an e4m3 pointer:
+        512 e4m3, four fp32 scales, one per 128 latent values, 64 bf16 rope values) dequantized to fp16 into
+        kn_wide / kr_wide (zeros where not ``ok``), at 2^-8 of their value (the caller's choice of range for
+        fp16). The scales are applied here, so both products are plain fp16 products. e4m3 values are exact in
+        fp16; the scale goes on in fp16 arithmetic (``_fp16_factors``, ``_times_fp16``): about half the
+        instructions of ``_widen_half_ds_fp32``, the same single rounding to fp16. The widening warpgroup's choice
+        (its instructions bound the wide kernel's fp8_ds_mla time)."""
+        gl.static_assert(L == 512)
+        gl.static_assert(cdt == gl.float16)
+        HL: gl.constexpr = L // 2
+        sc = (rows + L + 8 * HALF).to(gl.pointer_type(gl.float32), bitcast=True)  # this half's two scales (bytes)
+        # The half's two blocks of 128 values (one scale each), and in half 0 the rope: every load before the
+        # first store (one wait for memory per half).
+        x_lo = _load_columns(rows, ok, HALF * HL, 128, layout)
+        x_hi = _load_columns(rows, ok, HALF * HL + 128, 128, layout)
+        s_lo = gl.load(sc, mask=ok, other=0.0)
+        s_hi = gl.load(sc + 1, mask=ok, other=0.0)
+        if HALF == 0:
+            rope = _load_columns((rows + L + 16).to(gl.pointer_type(gl.bfloat16), bitcast=True), ok, 0, R, layout)
+        hi, lo, power = _fp16_factors(s_lo)
+        kn_wide.slice(HALF * HL, 128, dim=1).store(_times_fp16(x_lo.to(gl.float16), hi, lo, power))
+        hi, lo, power = _fp16_factors(s_hi)
+        kn_wide.slice(HALF * HL + 128, 128, dim=1).store(_times_fp16(x_hi.to(gl.float16), hi, lo, power))
+        if HALF == 0:
+            kr_wide.store(_times_2_to_the_minus_8(rope.to(gl.float32)).to(cdt))
+
+    @gluon.jit
+    def _widen_half_ds_fp32(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                        layout: gl.constexpr, cdt: gl.constexpr):
         """Half ``HALF`` (as in ``_widen_half``) of fp8_ds_mla cache rows ``rows`` (read through an e4m3 pointer:
         512 e4m3, four fp32 scales, one per 128 latent values, 64 bf16 rope values) dequantized to ``cdt`` into
         kn_wide / kr_wide (zeros where not ``ok``), at 2^-8 of their value (the caller's choice of range for
-        fp16). The scales are applied here, so both products are plain ``cdt`` products."""
+        fp16). The scales are applied here, so both products are plain ``cdt`` products. Through fp32 and one store
+        per half: the narrow kernel's choice (its widening is not the bottleneck; each store into a slice of a
+        buffer costs it a barrier)."""
         gl.static_assert(L == 512)
         HL: gl.constexpr = L // 2
         sc = (rows + L + 8 * HALF).to(gl.pointer_type(gl.float32), bitcast=True)  # this half's two scales (bytes)
@@ -169,42 +233,88 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _fp8_tile(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, qn_smem, qr_smem, p_smem, xchg,
-                  kn, kr, kn_next, kr_next, rows_next, ok_next, m_i, l_part, acc, qk_scale, offs_n_s, L: gl.constexpr,
-                  R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                  f_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, cdt: gl.constexpr,
-                  KV_MODE: gl.constexpr, IS_SPARSE: gl.constexpr):
-        """One e4m3 (KV_MODE 1) or fp8_ds_mla (2) tile whose keys start at ``start``, already widened into kn / kr:
-        its logits, and while they run the next tile (cache rows ``rows_next``) widened into kn_next / kr_next;
-        then softmax and P V. Returns (m_i, l_part, acc, the cache rows of the tile after the next)."""
-        # The L2 prefetch's layout: [32 rows, 8 bytes each] per pass, no replicas at BLOCK_N=64.
-        pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
-        fence_async_shared()
-        _cta_barrier()  # this tile visible to both warpgroups; every warp is done with the previous tile
+    def _widen_tile(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, kn_w, kr_w, ready, free, phase,
+                    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    f_layout: gl.constexpr, pf_layout: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr,
+                    IS_SPARSE: gl.constexpr):
+        """The widening warpgroup's turn for the tile at ``start``: once the consumers have released kn_w / kr_w
+        (``free``), its cache rows widened into them, then ``ready``; then the rows of the tile after next (whose
+        turn comes after the consumers' next tile) are prefetched into L2."""
+        rows, ok = _cache_rows(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
+                               f_layout, IS_SPARSE)
+        mbarrier.wait(free, phase ^ 1)  # (a buffer's first use passes: its barrier has completed no phase yet)
+        _widen_half(rows, ok, kn_w, kr_w, 0, L, R, f_layout, cdt, KV_MODE, True)
+        _widen_half(rows, ok, kn_w, kr_w, 1, L, R, f_layout, cdt, KV_MODE, True)
+        fence_async_shared()  # the stores visible to the consumers' wgmma (the async proxy)
+        _cta_barrier()  # (this warpgroup's barrier) every warp's stores done before the one arrival
+        mbarrier.arrive(ready, count=1)
+        if start + 2 * BLOCK_N < hi:
+            rows_pf, _ = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
+                                     PAGE_SIZE, BLOCK_N, pf_layout, IS_SPARSE)
+            _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
+
+    @gluon.jit
+    def _widen_tiles(KV, table, b, lo, hi, stride_kv_row, table_stride, num_slots, kn_a, kr_a, kn_b, kr_b, ready_a,
+                     ready_b, free_a, free_b, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     BLOCK_N: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr, IS_SPARSE: gl.constexpr):
+        """The widening warpgroup (a worker partition of 4 warps): every tile of [lo, hi) in turn into buffer a
+        (even tiles) or b (odd tiles), as the consumers release them."""
+        f_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16-byte loads of e4m3
+        pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        for i in range(0, n_tiles, 2):
+            phase = (i // 2) & 1
+            _widen_tile(KV, table, b, lo + i * BLOCK_N, hi, stride_kv_row, table_stride, num_slots, kn_a, kr_a,
+                        ready_a, free_a, phase, L, R, PAGE_SIZE, BLOCK_N, f_layout, pf_layout, cdt, KV_MODE, IS_SPARSE)
+            if i + 1 < n_tiles:
+                _widen_tile(KV, table, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, table_stride, num_slots, kn_b,
+                            kr_b, ready_b, free_b, phase, L, R, PAGE_SIZE, BLOCK_N, f_layout, pf_layout, cdt, KV_MODE,
+                            IS_SPARSE)
+
+    @gluon.jit
+    def _attend_wide_tile(qn_smem, qr_smem, p_smem, xchg, kn, kr, ready, free, phase, table, b,
+                          start, hi, table_stride, num_slots, m_i, l_part, acc, qk_scale, offs_n_s,
+                          PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                          s_layout: gl.constexpr, o_layout: gl.constexpr, IS_SPARSE: gl.constexpr):
+        """The consumers' turn for one widened tile (kn / kr, filled once ``ready`` completes ``phase``): logits,
+        softmax, P V; then the tile is handed back (``free``) to the widening warpgroup, which has the whole of the
+        next tile's turn to widen the one after it."""
+        mbarrier.wait(ready, phase)
         s_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         s_acc = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_acc, use_acc=False, is_async=True)
         s_acc = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_acc, is_async=True)
-        # The next tile is widened in two halves: one while these logits run, one while P V runs. Its loads are
-        # issued here, not a tile earlier: registers held across the loop's back edge (with the [64, 512] fp32
-        # accumulator) spill. Its row pointers were looked up a tile earlier, so the block-table load is not in
-        # the chain.
-        if start + BLOCK_N < hi:  # (uniform across the program) a split's last tile has no next tile to widen
-            _widen_half(rows_next, ok_next, kn_next, kr_next, 0, L, R, f_layout, cdt, KV_MODE)
-        rows2, ok2 = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
-                                 PAGE_SIZE, BLOCK_N, f_layout, IS_SPARSE)
-        # The same rows in the prefetch's layout (a second block-table lookup is cheaper than a layout conversion,
-        # which would cost a CTA barrier); prefetched while P V runs. Rows that may not be read stand for row 0.
-        rows_pf, _ = _cache_rows(KV, table, b, start + 2 * BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
-                                 PAGE_SIZE, BLOCK_N, pf_layout, IS_SPARSE)
         attended = _attended(table, b, start, hi, table_stride, num_slots, offs_n_s, PAGE_SIZE, IS_SPARSE)
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, ))
         m_i, l_part, acc = _softmax_pv(s_acc, kn, p_smem, xchg, m_i, l_part, acc, attended, qk_scale, o_layout)
-        if start + BLOCK_N < hi:
-            _widen_half(rows_next, ok_next, kn_next, kr_next, 1, L, R, f_layout, cdt, KV_MODE)
-        if start + 2 * BLOCK_N < hi:
-            _prefetch_l2(rows_pf, L + R if KV_MODE == 1 else L + 16 + 2 * R, pf_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return m_i, l_part, acc, rows2, ok2
+        _cta_barrier()  # (the consumers' barrier) both warpgroups are past their products on kn / kr
+        mbarrier.arrive(free, count=1)
+        return m_i, l_part, acc
+
+    @gluon.jit
+    def _attend_wide_tiles(qn_smem, qr_smem, p_smem, xchg, kn_a, kr_a, kn_b, kr_b, ready_a, ready_b, free_a, free_b,
+                           table, b, lo, hi, table_stride, num_slots, qk_scale, PAGE_SIZE: gl.constexpr,
+                           BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr, s_layout: gl.constexpr,
+                           o_layout: gl.constexpr, IS_SPARSE: gl.constexpr):
+        """The consumers (the default partition, 8 warps): every widened tile of [lo, hi) in turn. Returns
+        (m_i, l_part, acc) as the bf16 path's loop leaves them."""
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
+        acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
+        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        for i in range(0, n_tiles, 2):
+            phase = (i // 2) & 1
+            m_i, l_part, acc = _attend_wide_tile(qn_smem, qr_smem, p_smem, xchg, kn_a, kr_a, ready_a, free_a, phase,
+                                                 table, b, lo + i * BLOCK_N, hi, table_stride, num_slots, m_i, l_part,
+                                                 acc, qk_scale, offs_n_s, PAGE_SIZE, BLOCK_H, BLOCK_N, s_layout,
+                                                 o_layout, IS_SPARSE)
+            if i + 1 < n_tiles:
+                m_i, l_part, acc = _attend_wide_tile(qn_smem, qr_smem, p_smem, xchg, kn_b, kr_b, ready_b, free_b,
+                                                     phase, table, b, lo + (i + 1) * BLOCK_N, hi, table_stride,
+                                                     num_slots, m_i, l_part, acc, qk_scale, offs_n_s, PAGE_SIZE,
+                                                     BLOCK_H, BLOCK_N, s_layout, o_layout, IS_SPARSE)
+        return m_i, l_part, acc
 
     @gluon.jit
     def _per_warpgroup(x, reduce: gl.constexpr):
@@ -387,41 +497,45 @@ if HAVE_GLUON:
         _stage_query(QN, QP, row, hb, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, qn_smem, qr_smem, L, R,
                      BLOCK_H, ld_layout, cdt, KV_MODE)
 
-        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        # The row sum per warpgroup ([BLOCK_H, 2], see _softmax_pv), in the layout its per-tile sums come in.
-        l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
-        acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
-        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-
         if KV_MODE != 0:
-            # e4m3 tiles are widened (fp8_ds_mla tiles dequantized) into one of two wide tiles while the tensor
-            # cores compute the logits of the other: the widening is off the critical path. Two wide tiles take the
-            # shared memory of the bf16 path's two cp.async stages. The two are separate allocations and the loop
-            # takes two tiles a turn so that each tile's buffers are known at compile time (with one [2, ...]
-            # buffer, Triton puts a CTA barrier before every store of the widening: it cannot tell the halves apart).
-            f_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [BLOCK_N // 8, 64 // BLOCK_N], [1, 0])
+            # e4m3 tiles are widened (fp8_ds_mla tiles dequantized) by a warpgroup of their own (a worker partition
+            # with few registers) into one of two wide tiles while the 8 consumer warps compute on the other: the
+            # consumers do only the products and the softmax. Handoffs are mbarriers (ready: a tile is widened;
+            # free: the consumers are done with it). Two wide tiles take the shared memory of the bf16 path's two
+            # cp.async stages. The two are separate allocations and both loops take two tiles a turn so that each
+            # tile's buffers are known at compile time (with one [2, ...] buffer, Triton puts a barrier before every
+            # store of the widening: it cannot tell the halves apart).
             kn_a = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
             kr_a = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
             kn_b = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
             kr_b = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
-            rows, ok = _cache_rows(KV, table, b, lo, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
-                                   f_layout, IS_SPARSE)
-            _widen_half(rows, ok, kn_a, kr_a, 0, L, R, f_layout, cdt, KV_MODE)
-            _widen_half(rows, ok, kn_a, kr_a, 1, L, R, f_layout, cdt, KV_MODE)
-            rows, ok = _cache_rows(KV, table, b, lo + BLOCK_N, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE,
-                                   BLOCK_N, f_layout, IS_SPARSE)
-            for i in range(0, n_tiles, 2):
-                m_i, l_part, acc, rows, ok = _fp8_tile(
-                    KV, table, b, lo + i * BLOCK_N, hi, stride_kv_row, table_stride, num_slots, qn_smem, qr_smem,
-                    p_smem, xchg, kn_a, kr_a, kn_b, kr_b, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s, L, R,
-                    PAGE_SIZE, BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE, IS_SPARSE)
-                if i + 1 < n_tiles:
-                    m_i, l_part, acc, rows, ok = _fp8_tile(
-                        KV, table, b, lo + (i + 1) * BLOCK_N, hi, stride_kv_row, table_stride, num_slots, qn_smem,
-                        qr_smem, p_smem, xchg, kn_b, kr_b, kn_a, kr_a, rows, ok, m_i, l_part, acc, qk_scale, offs_n_s,
-                        L, R, PAGE_SIZE, BLOCK_H, BLOCK_N, f_layout, s_layout, o_layout, cdt, KV_MODE, IS_SPARSE)
+            ready_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            ready_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            free_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            free_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(ready_a, count=1)
+            mbarrier.init(ready_b, count=1)
+            mbarrier.init(free_a, count=1)
+            mbarrier.init(free_b, count=1)
+            fence_async_shared()
+            _cta_barrier()  # q staged and the barriers initialized before either partition starts
+            # The widening warpgroup's registers per thread (the consumers get the rest: 208 / 200): what each
+            # format's widening needs without spilling much (ptxas -v).
+            WIDEN_REGS: gl.constexpr = 96 if KV_MODE == 2 else 88
+            m_i, l_part, acc = gl.warp_specialize(
+                [(_attend_wide_tiles, (qn_smem, qr_smem, p_smem, xchg, kn_a, kr_a, kn_b, kr_b, ready_a, ready_b,
+                                       free_a, free_b, table, b, lo, hi, table_stride, num_slots, qk_scale, PAGE_SIZE,
+                                       BLOCK_H, BLOCK_N, L, s_layout, o_layout, IS_SPARSE)),
+                 (_widen_tiles, (KV, table, b, lo, hi, stride_kv_row, table_stride, num_slots, kn_a, kr_a, kn_b, kr_b,
+                                 ready_a, ready_b, free_a, free_b, L, R, PAGE_SIZE, BLOCK_N, cdt, KV_MODE, IS_SPARSE))],
+                [4], [WIDEN_REGS])
         else:
+            m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+            # The row sum per warpgroup ([BLOCK_H, 2], see _softmax_pv), in the layout its per-tile sums come in.
+            l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
+            acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
+            offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
             kr_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, R], kr_sl)
             for s in gl.static_range(STAGES - 1):
@@ -536,8 +650,8 @@ if HAVE_GLUON:
                                f_layout, IS_SPARSE)
         for start in range(lo, hi, BLOCK_N):
             _cta_barrier()  # every warp is done with the previous tile's products (waited) before it is overwritten
-            _widen_half(rows, ok, kn, kr, 0, L, R, f_layout, cdt, KV_MODE)
-            _widen_half(rows, ok, kn, kr, 1, L, R, f_layout, cdt, KV_MODE)
+            _widen_half(rows, ok, kn, kr, 0, L, R, f_layout, cdt, KV_MODE, False)
+            _widen_half(rows, ok, kn, kr, 1, L, R, f_layout, cdt, KV_MODE, False)
             rows, ok = _cache_rows(KV, table, b, start + BLOCK_N, hi, stride_kv_row, table_stride, num_slots,
                                    PAGE_SIZE, BLOCK_N, f_layout, IS_SPARSE)
             fence_async_shared()
