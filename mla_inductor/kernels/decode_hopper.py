@@ -519,8 +519,9 @@ if HAVE_GLUON:
             mbarrier.init(free_b, count=1)
             fence_async_shared()
             _cta_barrier()  # q staged and the barriers initialized before either partition starts
-            # The widening warpgroup's registers per thread (the consumers get the rest: 208 / 200): what each
-            # format's widening needs without spilling much (ptxas -v).
+            # The widening warpgroup's registers per thread: what each format's widening needs without spilling
+            # much (ptxas -v). The consumers get the rest, but their code stays within the .maxnreg Triton gives
+            # the 12 warps (168) whatever setmaxnreg grants.
             WIDEN_REGS: gl.constexpr = 96 if KV_MODE == 2 else 88
             m_i, l_part, acc = gl.warp_specialize(
                 [(_attend_wide_tiles, (qn_smem, qr_smem, p_smem, xchg, kn_a, kr_a, kn_b, kr_b, ready_a, ready_b,
