@@ -14,12 +14,12 @@ merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/t
 * bf16/fp16: each KV tile is copied once (cp.async, 16 bytes per copy) into the wgmma operand layout and read
   by both products straight from shared memory: K^T through a transposed view for the logits, the first 512
   columns as V. STAGES - 1 tiles are in flight while one is computed.
-* fp8_e4m3: warp-specialized. A fourth warpgroup (a Gluon worker partition with few registers; the two
-  consumer warpgroups get the rest) loads each tile to registers (16-byte loads) and widens it to fp16 (one cvt
-  per pair; q is pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the consumers run
-  the logits, softmax and P V on the other; mbarriers hand the tiles over (ready: widened; free: the consumers'
-  last product on it is done). The tile after next is prefetched into L2. The per-tensor scale goes onto the
-  logits and the output.
+* fp8_e4m3: warp-specialized. A fourth warpgroup (a Gluon worker partition held to fewer registers than the two
+  consumer warpgroups) loads each tile to registers (16-byte loads) and widens it to fp16 (one cvt per pair; q is
+  pre-scaled by 2^-8 so fp16 cannot overflow) into one of two wide tiles while the consumers run the logits,
+  softmax and P V on the other; mbarriers hand the tiles over (ready: widened; free: the consumers' last product
+  on it is done). The tile after next is prefetched into L2. The per-tensor scale goes onto the logits and the
+  output.
 * fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied in fp16
   arithmetic, the bf16 rope copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite;
   the logits get 2^16 back and the output 2^8. Both products are then plain fp16 products.
@@ -272,6 +272,16 @@ if HAVE_GLUON:
                             IS_SPARSE)
 
     @gluon.jit
+    def _softmax_start(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr, s_layout: gl.constexpr,
+                       o_layout: gl.constexpr):
+        """The online softmax's starting state (m_i, l_part, acc) and the key offsets of a logits tile. l_part is
+        the row sum per warpgroup ([BLOCK_H, 2], see _softmax_pv), in the layout its per-tile sums come in."""
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
+        acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
+        return m_i, l_part, acc, gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    @gluon.jit
     def _attend_wide_tile(qn_smem, qr_smem, p_smem, xchg, kn, kr, ready, free, phase, table, b,
                           start, hi, table_stride, num_slots, m_i, l_part, acc, qk_scale, offs_n_s,
                           PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -298,10 +308,7 @@ if HAVE_GLUON:
                            o_layout: gl.constexpr, IS_SPARSE: gl.constexpr):
         """The consumers (the default partition, 8 warps): every widened tile of [lo, hi) in turn. Returns
         (m_i, l_part, acc) as the bf16 path's loop leaves them."""
-        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
-        acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
-        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i, l_part, acc, offs_n_s = _softmax_start(BLOCK_H, BLOCK_N, L, s_layout, o_layout)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         for i in range(0, n_tiles, 2):
             phase = (i // 2) & 1
@@ -531,11 +538,7 @@ if HAVE_GLUON:
                                  ready_a, ready_b, free_a, free_b, L, R, PAGE_SIZE, BLOCK_N, cdt, KV_MODE, IS_SPARSE))],
                 [4], [WIDEN_REGS])
         else:
-            m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-            # The row sum per warpgroup ([BLOCK_H, 2], see _softmax_pv), in the layout its per-tile sums come in.
-            l_part = _per_warpgroup(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), gl.sum)
-            acc = gl.zeros([BLOCK_H, L], gl.float32, layout=o_layout)
-            offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            m_i, l_part, acc, offs_n_s = _softmax_start(BLOCK_H, BLOCK_N, L, s_layout, o_layout)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             kn_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, L], kn_sl)
             kr_stage = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, R], kr_sl)
