@@ -6,8 +6,9 @@
 
 Each ``--variant NAME=FILE`` is a copy of ``mla_inductor/kernels/decode_hopper.py`` (the same kernel names and
 constants); the working tree's kernels are the row ``current``. A case is ``BxHxS:fmt`` with fmt bf16, fp8
-(fp8_e4m3) or ds (fp8_ds_mla), made by ``peers.make_case``; every version runs the call exactly as our default
-path would (``DecodeLaunch``: same configuration and splits), only the Gluon kernel module differs. Timings
+(fp8_e4m3) or ds (fp8_ds_mla), made by ``peers.make_case``, or ``BxHxSxK:fmt`` for a sparse call attending K
+listed slots of each row (fmt bf16 or ds; ``peers.sparse_case``); every version runs the call exactly as our
+default path would (``DecodeLaunch``: same configuration and splits), only the Gluon kernel module differs. Timings
 interleave the versions ``--rounds`` times (best median of ``do_bench``), so a slow stretch of the GPU hits
 all of them; each version's relative error against the fp32 reference is printed beside it.
 """
@@ -32,14 +33,40 @@ def load_variant(name: str, path: str):
     return module
 
 
+def parse_case(item: str) -> tuple[tuple[int, ...], str]:
+    """``BxHxS[xK]:fmt`` as ((B, H, S[, K]), fmt); K (sparse top-k) takes bf16 or ds only."""
+    shape, _, fmt = item.partition(":")
+    fmt = fmt or "bf16"
+    try:
+        dims = tuple(int(x) for x in shape.split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (3, 4):
+        raise SystemExit(f"--cases: {item!r} is not BxHxS:fmt or BxHxSxK:fmt (K: sparse top-k)")
+    formats = ("bf16", "ds") if len(dims) == 4 else ("bf16", "fp8", "ds")
+    if fmt not in formats:
+        raise SystemExit(f"--cases: {item!r}: fmt must be one of {', '.join(formats)}")
+    return dims, fmt
+
+
+def make_case(dims: tuple[int, ...]) -> dict:
+    if len(dims) == 4:
+        return pm.sparse_case(*dims)
+    case = pm.make_case(*dims)
+    case["ref"] = pm.reference(case)
+    return case
+
+
 def prepared_call(case: dict, fmt: str, kernels):
-    """Our default call on ``case`` with the Gluon kernels of module ``kernels``: (run, reference)."""
+    """Our default call on ``case`` (sparse if it lists ``indices``) with the Gluon kernels of module ``kernels``:
+    (run, reference)."""
     from mla_inductor.kernels import decode
 
+    ours = bench_kernels._ours_sparse if "indices" in case else bench_kernels._ours
     current = decode._hopper
     decode._hopper = lambda: kernels  # DecodeLaunch looks the kernels up while it prepares the call
     try:
-        run, ref, _ = bench_kernels._ours(case, fmt)
+        run, ref, _ = ours(case, fmt)
         run()
         torch.cuda.synchronize()
     finally:
@@ -52,10 +79,11 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                         help="another version of mla_inductor/kernels/decode_hopper.py (repeatable)")
     parser.add_argument("--cases", default="128x128x4096:fp8,128x128x4096:bf16,128x16x4096:fp8",
-                        help="BxHxS:fmt,... with fmt bf16, fp8 or ds")
+                        help="BxHxS:fmt,... with fmt bf16, fp8 or ds; BxHxSxK:fmt for sparse top-K (bf16 or ds)")
     parser.add_argument("--rounds", type=int, default=3)
     report.add_out_argument(parser)
     args = parser.parse_args(argv)
+    cases = [parse_case(item) for item in args.cases.split(",")]
     report.require_gpu("bench_kernel_variants.py")
     from mla_inductor.kernels import decode_hopper
 
@@ -68,19 +96,16 @@ def main(argv=None) -> None:
     env = report.environment()
     report.progress(f"# {report.environment_line(env)}")
     records = []
-    for item in args.cases.split(","):
-        shape, _, fmt = item.partition(":")
-        B, H, S = (int(x) for x in shape.split("x"))
-        case = pm.make_case(B, H, S)
-        case["ref"] = pm.reference(case)
-        calls = {name: prepared_call(case, fmt or "bf16", module) for name, module in versions.items()}
+    for dims, fmt in cases:
+        case = make_case(dims)
+        calls = {name: prepared_call(case, fmt, module) for name, module in versions.items()}
         errors = {name: report.relative_error(run(), ref) for name, (run, ref) in calls.items()}
         best = {name: float("inf") for name in versions}
         for _ in range(args.rounds):
             for name, (run, _) in calls.items():
                 best[name] = min(best[name], report.median_ms(run) * 1e3)
         base = best["current"]
-        label = f"B={B} H={H} S={S} {fmt or 'bf16'}"
+        label = f"B={dims[0]} H={dims[1]} S={dims[2]}" + (f" top-k {dims[3]}" if len(dims) == 4 else "") + f" {fmt}"
         print(f"{label}: " + "  ".join(
             f"{name} {us:.1f} us ({us / base:.3f}x, err {errors[name]:.1e})" for name, us in best.items()),
             flush=True)
