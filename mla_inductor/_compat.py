@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import inspect
 import itertools
 import logging
 import os
@@ -263,9 +264,21 @@ def gluon_cta_barrier(gl_module):
     return getattr(gl_module, "barrier", None) or gl_module.thread_barrier
 
 
+def gluon_kernels_compile(gl_module) -> bool:
+    """Whether this Triton's Gluon takes the forms our Gluon kernels are written in: ``warp_specialize`` given a
+    list of (function, arguments) pairs (Triton 3.6 on; 3.5 took the default and the worker partitions' arguments
+    apart, and its ``_reinterpret`` builtin cannot be called from kernel code). Older ones run the tl.dot kernel."""
+    try:
+        params = list(inspect.signature(gl_module.warp_specialize).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return params[:1] == ["functions_and_args"]
+
+
 def gluon_smem_reinterpret(gl_module):
     """Gluon's view of a shared buffer with another dtype / shape / layout (desc, dtype, shape, layout), called as a
-    builtin from kernel code: ``reinterpret`` in newer Triton, ``_reinterpret`` in 3.5-3.6."""
+    builtin from kernel code: ``reinterpret`` in newer Triton, ``_reinterpret`` in 3.6 (3.5's cannot be called
+    from kernel code; ``gluon_kernels_compile`` keeps 3.5 off the Gluon kernels)."""
     desc = gl_module.shared_memory_descriptor
     return getattr(desc, "reinterpret", None) or desc._reinterpret
 

@@ -17,7 +17,7 @@ from mla_inductor.kernels import decode as dk  # noqa: E402
 from mla_inductor.kernels import decode_hopper as dh  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(not dh.HAVE_GLUON, reason="this Triton has no Gluon Hopper ops "
-                                                          "(triton.experimental.gluon...hopper)")
+                                                          "(triton.experimental.gluon...hopper) or an older Gluon")
 H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
 
 
@@ -115,6 +115,34 @@ def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits
         # to the consumers (setmaxnreg).
         assert got["setmaxnreg"] > 0 and got["mbarrier_wait"] > 0, \
             "fp8 tiles must be widened by a warp-specialized producer"
+
+
+def test_gluon_kernels_need_warp_specialize_taking_a_list():
+    # Triton 3.5's Gluon took the partitions' arguments apart (and could not call _reinterpret from a kernel):
+    # there HAVE_GLUON is false and SM90 runs the tl.dot kernel instead of failing to compile at the first call.
+    from types import SimpleNamespace
+
+    from mla_inductor._compat import gluon_kernels_compile
+
+    def current(functions_and_args, worker_num_warps, worker_num_regs=None, _semantic=None, _generator=None):
+        pass
+
+    def triton_3_5(default_args, default_partition, worker_args, worker_partitions, worker_num_warps,
+                   worker_num_regs, _semantic=None, _generator=None):
+        pass
+
+    assert gluon_kernels_compile(SimpleNamespace(warp_specialize=current))
+    assert not gluon_kernels_compile(SimpleNamespace(warp_specialize=triton_3_5))
+    assert not gluon_kernels_compile(SimpleNamespace())
+
+
+@needs_gluon
+def test_the_installed_gluon_takes_the_list_form():
+    from triton.experimental.gluon import language as gl
+
+    from mla_inductor._compat import gluon_kernels_compile
+
+    assert gluon_kernels_compile(gl)
 
 
 def test_config_on_cpu_is_the_tl_dot_kernel():

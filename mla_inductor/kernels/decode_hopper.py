@@ -43,13 +43,15 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from mla_inductor._compat import gluon_async_load, gluon_cta_barrier, gluon_smem_reinterpret
+    from mla_inductor._compat import gluon_async_load, gluon_cta_barrier, gluon_kernels_compile, gluon_smem_reinterpret
 
+    if not gluon_kernels_compile(gl):
+        raise ImportError("this Triton's Gluon predates the forms these kernels are written in")
     _cp_async = gluon_async_load(async_copy)
     _cta_barrier = gluon_cta_barrier(gl)
     _smem_reinterpret = gluon_smem_reinterpret(gl)
     HAVE_GLUON = True
-except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper ops: the tl.dot kernel runs everywhere
+except Exception:  # noqa: BLE001 - Triton without (a recent enough) Gluon: the tl.dot kernel runs everywhere
     HAVE_GLUON = False
 
 # The shapes the kernel is written for; decode.DecodeLaunch checks a call against them.
