@@ -46,8 +46,9 @@ FP8_MAX = 448.0
 CACHE_COPIES_BYTES = 16 << 30  # at most this much memory in per-call cache copies
 
 # (B, H, S) cases, ("var", B, H, S) for lengths drawn from [S/8, S]; sparse cases are (B, H, S, top-k).
+# H: DeepSeek-V3's 128 heads on one GPU, and per GPU at tensor parallel 2 (64), 4 (32) and 8 (16).
 FULL = [(1, 128, 4096), (16, 128, 4096), (64, 128, 4096), (128, 128, 4096), (128, 128, 1024),
-        (32, 128, 16384), (1, 16, 4096), (32, 16, 4096), (128, 16, 4096), (64, 64, 8192),
+        (32, 128, 16384), (1, 16, 4096), (32, 16, 4096), (128, 16, 4096), (128, 32, 4096), (64, 64, 8192),
         ("var", 64, 128, 8192)]
 QUICK = [(64, 128, 4096), (32, 16, 4096)]
 SPARSE = [(32, 128, 16384, 2048), (128, 128, 16384, 2048), (64, 64, 32768, 2048)]
