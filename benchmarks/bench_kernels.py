@@ -2,7 +2,8 @@
 
 Rows ``triton_*`` are our default path (on an SM90 GPU the Gluon kernel where it covers the call, else the
 ``tl.dot`` kernel); rows ``tldot_*`` force the ``tl.dot`` kernel (what GPUs other than SM90 run) where the
-two differ.
+two differ; on SM90, rows ``wide_*`` / ``narrow_*`` force the 64-head / 16-head Gluon kernel where the default is
+the ``tl.dot`` kernel (e.g. H=32: whether a Gluon kernel should take those calls).
 
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--only=flashmla,...] [--out DIR]
@@ -58,17 +59,35 @@ def _ours(c, kind, config=None):
     return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, None, config), ref, per_tok
 
 
-def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
-    """``config`` as given, or for "tldot" the default launch configuration on the ``tl.dot`` kernel (SameKernel
-    where the default already is the tl.dot kernel)."""
-    if config != "tldot":
-        return config
-    from mla_inductor.kernels.decode import DecodeLaunch
+FORCED_GLUON = {"narrow": "gluon_sm90_narrow", "wide": "gluon_sm90"}
 
-    default = DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, sparse_indices)
-    if default.config.kernel == "tl_dot":
-        raise SameKernel("the default path already runs the tl.dot kernel here")
-    return default.fallback
+
+def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
+    """``config`` as given; for "tldot" the default launch configuration on the ``tl.dot`` kernel (SameKernel where
+    the default already is the tl.dot kernel); for "narrow" / "wide" the Gluon kernel of that name at its own
+    tiling, on calls whose default is the tl.dot kernel (SameKernel elsewhere, off SM90, and where that Gluon
+    kernel does not cover the call): whether a Gluon kernel should take them."""
+    if config not in ("tldot", *FORCED_GLUON):
+        return config
+    from mla_inductor.kernels import decode
+
+    def launch(cfg=None):
+        return decode.DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, sparse_indices,
+                                   cfg)
+
+    default = launch()
+    if config == "tldot":
+        if default.config.kernel == "tl_dot":
+            raise SameKernel("the default path already runs the tl.dot kernel here")
+        return default.fallback
+    kernel = FORCED_GLUON[config]
+    if default.config.kernel != "tl_dot" or not decode._hopper_kernel_runs_on(qn.device):
+        raise SameKernel("a Gluon kernel is forced only where the default is the tl.dot kernel, on SM90")
+    kv_len = sparse_indices.shape[1] if sparse_indices is not None else c["block_table"].shape[1] * cache.shape[1]
+    forced = decode.gluon_config(kernel, qn.shape[0], qn.shape[1], kv_len, qn.device)
+    if launch(forced).config.kernel != kernel:
+        raise SameKernel(f"{kernel} does not cover this call")
+    return forced
 
 
 class SameKernel(Exception):
@@ -120,8 +139,15 @@ def _failed(label, name, e) -> str:
     return f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
 
 
-OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds")
+OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds", "wide_bf16", "wide_fp8",
+        "wide_ds", "narrow_fp8", "narrow_ds")
 OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds", "tldot_sparse_bf16", "tldot_sparse_ds")
+
+
+def _forcing(name: str):
+    """The kernel a row of ours forces (``_forced``), from its name's prefix: None for the default path."""
+    prefix = name.split("_", 1)[0]
+    return prefix if prefix in ("tldot", *FORCED_GLUON) else None
 
 
 def run_dense(cfgs, peer_names, rows, results):
@@ -140,8 +166,7 @@ def run_dense(cfgs, peer_names, rows, results):
             try:
                 t0 = time.time()
                 if name in OURS:
-                    fn, ref, per_tok = _ours(c, name.split("_", 1)[1],
-                                             "tldot" if name.startswith("tldot") else None)
+                    fn, ref, per_tok = _ours(c, name.rsplit("_", 1)[1], _forcing(name))
                 else:
                     fn = pm.PEERS[name](c)
                     per_tok = (D_CKV + D_PE) * (1 if name.endswith("fp8") else 2)
@@ -173,8 +198,7 @@ def run_sparse(peer_names, rows, results):
         for name in names:
             try:
                 if name in OURS_SPARSE:
-                    fn, ref, per_tok = _ours_sparse(c, name.rsplit("_", 1)[1],
-                                                    "tldot" if name.startswith("tldot") else None)
+                    fn, ref, per_tok = _ours_sparse(c, name.rsplit("_", 1)[1], _forcing(name))
                 else:
                     fn = pm.SPARSE_PEERS[name](c)
                     ref, per_tok = c["ref_sparse"], (656 if "fp8" in name else 1152)

@@ -210,3 +210,24 @@ def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_o
     launch = dk.DecodeLaunch(**c, config=dk.DecodeConfig(16, 64, 1, 4, 1, kernel="gluon_sm90_narrow"))
     assert launch.config.kernel == "tl_dot"
     assert launch.config.block_n == dk.tl_dot_config(2, 16, 32, torch.device("cpu")).block_n
+
+
+@pytest.mark.parametrize("H,kv_mode", [(128, dk._KV_FP8), (64, dk._KV_PLAIN), (16, dk._KV_DS), (8, dk._KV_FP8)])
+def test_gluon_config_is_what_choose_config_picks(monkeypatch, H, kv_mode):
+    # gluon_config (what benchmarks force where the default is the tl.dot kernel) gives, where choose_config picks a
+    # Gluon kernel, exactly its choice.
+    monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
+    picked = dk._choose_config_cached.__wrapped__(8, H, 4096, kv_mode, "cuda", 0)
+    assert picked.kernel != "tl_dot"
+    assert repr(dk.gluon_config(picked.kernel, 8, H, 4096, torch.device("cuda", 0))) == repr(picked)  # every field
+
+
+def test_gluon_config_at_32_heads_and_an_unknown_kernel(monkeypatch):
+    monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
+    narrow = dk.gluon_config("gluon_sm90_narrow", 128, 32, 4096, torch.device("cuda", 0))
+    wide = dk.gluon_config("gluon_sm90", 128, 32, 4096, torch.device("cuda", 0))
+    assert (narrow.block_h, narrow.kernel) == (dh.NARROW_BLOCK_H, "gluon_sm90_narrow")  # two head blocks
+    assert (wide.block_h, wide.kernel) == (dh.HEADS_PER_PROGRAM, "gluon_sm90")  # one, half of it empty
+    with pytest.raises(ValueError, match="kernel"):
+        dk.gluon_config("tl_dot", 128, 32, 4096, torch.device("cuda", 0))

@@ -417,10 +417,23 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
     if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
         # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (bf16 at 16 heads
         # is already at the HBM floor on the tl.dot kernel, docs/benchmarks.md section 1).
-        h = _hopper()
-        ns = choose_splits(T, -(-H // h.NARROW_BLOCK_H), kv_len, h.NARROW_BLOCK_N, _sm_count(device) * 2)
-        return DecodeConfig(h.NARROW_BLOCK_H, h.NARROW_BLOCK_N, ns, h.NARROW_NUM_WARPS, 1, kernel="gluon_sm90_narrow")
+        return gluon_config("gluon_sm90_narrow", T, H, kv_len, device)
     return cfg
+
+
+def gluon_config(kernel: str, T: int, H: int, kv_len: int, device: torch.device) -> DecodeConfig:
+    """The launch configuration of Gluon kernel ``kernel`` for a call of T query rows and H heads, at any head
+    count (its own tiling, splits for its programs per SM): what choose_config gives where it picks that kernel,
+    and what a benchmark forces where it does not."""
+    h = _hopper()
+    if kernel == "gluon_sm90_narrow":
+        ns = choose_splits(T, -(-H // h.NARROW_BLOCK_H), kv_len, h.NARROW_BLOCK_N, _sm_count(device) * 2)
+        return DecodeConfig(h.NARROW_BLOCK_H, h.NARROW_BLOCK_N, ns, h.NARROW_NUM_WARPS, 1, kernel=kernel)
+    if kernel == "gluon_sm90":
+        block_n, stages = h.TILINGS[0]
+        ns = choose_splits(T, -(-H // h.HEADS_PER_PROGRAM), kv_len, block_n, _sm_count(device))
+        return DecodeConfig(h.HEADS_PER_PROGRAM, block_n, ns, h.NUM_WARPS, stages, kernel=kernel)
+    raise ValueError(f"kernel: expected a Gluon kernel ('gluon_sm90' or 'gluon_sm90_narrow'), got {kernel!r}")
 
 
 def tl_dot_config(T: int, H: int, kv_len: int, device: torch.device) -> DecodeConfig:
