@@ -410,10 +410,11 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
     if not _hopper_kernel_runs_on(device):
         return cfg
     if cfg.block_h == 64:
-        # The Gluon kernel (decode_hopper) at the same tiling and splits: 1.5-1.8x the tl.dot kernel's speed at
-        # H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla; docs/benchmarks.md section 1). DecodeLaunch keeps
-        # the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
-        return cfg.with_kernel("gluon_sm90")
+        # The Gluon kernel (decode_hopper), at the tl.dot kernel's tiling and splits there (its fallback keeps them):
+        # 1.5-1.8x the tl.dot kernel's speed at H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla;
+        # docs/benchmarks.md section 1). DecodeLaunch keeps the tl.dot kernel for calls it does not cover (other
+        # L/R or dtypes, an unaligned cache).
+        return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
         # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (bf16 at 16 heads
         # is already at the HBM floor on the tl.dot kernel, docs/benchmarks.md section 1).
