@@ -3,7 +3,7 @@
 Rows ``triton_*`` are our default path (on an SM90 GPU the Gluon kernel where it covers the call, else the
 ``tl.dot`` kernel); rows ``tldot_*`` force the ``tl.dot`` kernel (what GPUs other than SM90 run) where the
 two differ; on SM90, rows ``wide_*`` / ``narrow_*`` force the 64-head / 16-head Gluon kernel where the default is
-the ``tl.dot`` kernel (e.g. H=32: whether a Gluon kernel should take those calls).
+the ``tl.dot`` kernel (e.g. bf16 at H=16: whether a Gluon kernel should take those calls).
 
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--only=flashmla,...] [--out DIR]

@@ -180,13 +180,15 @@ def test_which_calls_the_narrow_gluon_kernel_covers(kv, mode, stride, expected):
 
 
 @pytest.mark.parametrize("H,kv_mode,expected", [(128, dk._KV_PLAIN, "gluon_sm90"), (40, dk._KV_FP8, "gluon_sm90"),
-                                                (128, dk._KV_DS, "gluon_sm90"), (32, dk._KV_PLAIN, "tl_dot"),
+                                                (128, dk._KV_DS, "gluon_sm90"), (32, dk._KV_PLAIN, "gluon_sm90"),
                                                 (16, dk._KV_FP8, "gluon_sm90_narrow"),
                                                 (16, dk._KV_DS, "gluon_sm90_narrow"), (8, dk._KV_FP8, "gluon_sm90_narrow"),
-                                                (16, dk._KV_PLAIN, "tl_dot"), (32, dk._KV_FP8, "tl_dot")])
+                                                (16, dk._KV_PLAIN, "tl_dot"), (32, dk._KV_FP8, "gluon_sm90"),
+                                                (17, dk._KV_DS, "gluon_sm90")])
 def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
     # What choose_config gives on an SM90 GPU with Gluon, seen from a CPU machine: the Gluon kernel at 64 heads
-    # per program, at the tl.dot kernel's tiling and splits, which must be the Gluon kernel's default tiling.
+    # per program from 17 heads up, at the tl.dot kernel's 64-head tiling, which must be the Gluon kernel's default
+    # tiling; the 16-head variant for fp8 caches at 16 heads or fewer.
     monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
     monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
     cfg = dk._choose_config_cached.__wrapped__(8, H, 4096, kv_mode, "cuda", 0)
@@ -212,7 +214,28 @@ def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_o
     assert launch.config.block_n == dk.tl_dot_config(2, 16, 32, torch.device("cpu")).block_n
 
 
-@pytest.mark.parametrize("H,kv_mode", [(128, dk._KV_FP8), (64, dk._KV_PLAIN), (16, dk._KV_DS), (8, dk._KV_FP8)])
+@pytest.mark.parametrize("H,fallback_block_h", [(128, 64), (32, 32)])
+def test_the_wide_kernels_fallback_is_the_tl_dot_kernels_best_tiling(monkeypatch, H, fallback_block_h):
+    # A call the wide Gluon kernel is chosen for but cannot take (here a cache of another latent width) runs the
+    # tl.dot kernel: at 128 heads at the Gluon kernel's tiling and splits (the tl.dot kernel's own there), at 32 heads
+    # at the tl.dot kernel's own 32-head tiling, not the 64-head one half of which would be empty.
+    monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
+    gpu_tiling = dk.tl_dot_config
+    monkeypatch.setattr(dk, "tl_dot_config", lambda T, H, kv_len, device: gpu_tiling(T, H, kv_len, torch.device("cuda")))
+    cfg = dk.gluon_config("gluon_sm90", 2, H, 64, torch.device("cuda", 0))
+    c = dict(q_nope=torch.randn(2, H, 256, dtype=torch.bfloat16), q_pe=torch.randn(2, H, 64, dtype=torch.bfloat16),
+             kv_cache=torch.randn(4, 16, 320, dtype=torch.bfloat16), block_table=torch.tensor([[0, 1], [2, 3]],
+                                                                                              dtype=torch.int32),
+             seq_lens=torch.tensor([20, 30], dtype=torch.int32), softmax_scale=0.1, kv_scale=None)
+    launch = dk.DecodeLaunch(**c, config=cfg)
+    assert launch.config.kernel == "tl_dot" and launch.config.block_h == fallback_block_h
+    if H == 128:
+        assert repr(launch.config) == repr(cfg.with_kernel("tl_dot"))
+
+
+@pytest.mark.parametrize("H,kv_mode", [(128, dk._KV_FP8), (64, dk._KV_PLAIN), (32, dk._KV_DS), (16, dk._KV_DS),
+                                       (8, dk._KV_FP8)])
 def test_gluon_config_is_what_choose_config_picks(monkeypatch, H, kv_mode):
     # gluon_config (what benchmarks force where the default is the tl.dot kernel) gives, where choose_config picks a
     # Gluon kernel, exactly its choice.

@@ -296,9 +296,9 @@ def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(k
     launch._use(launch.config)
     out, lse = launch(c["q_nope"], c["q_pe"], c["kv_cache"], c["block_table"], c["seq_lens"], c["kv_scale"])
     assert tried[0] == kernel and tried[-1] == "tl_dot" and launch.config.kernel == "tl_dot"
-    # The wide kernel's fallback keeps its tiling (the tl.dot kernel's own at 64 heads); the narrow one's is the
-    # tl.dot kernel's own configuration for the call.
-    own = tk.tl_dot_config(2, 16, 64, c["q_nope"].device) if kernel == "gluon_sm90_narrow" else config
+    # At 16 heads the fallback is the tl.dot kernel's own configuration for the call (the wide kernel's tiling is
+    # kept only where it is the tl.dot kernel's own: 64 heads per program).
+    own = tk.tl_dot_config(2, 16, 64, c["q_nope"].device)
     assert (launch.config.block_h, launch.config.block_n) == (own.block_h, own.block_n)
     ref_o, _ = naive_reference(**c)
     assert rel_l2(out.float().cpu(), ref_o) < TOL["fp8"]
@@ -502,6 +502,12 @@ def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
     ds = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="ds", seed=7)
     assert tk.DecodeLaunch(**ds).config.kernel == "gluon_sm90"
     check(ds, tol=TOL["ds"])
+    for kv, dtype, seed in (("same", torch.bfloat16, 13), ("fp8", "fp8", 14), ("ds", "fp8", 15)):
+        # 32 heads (DeepSeek-V3 at tensor parallel 4): the 64-head kernel, half of each product empty.
+        h32 = make_case(B=3, Q=1, H=32, L=512, R=64, page=64, seq_lens=[300, 4000, 65], dtype=dtype, kv=kv, seed=seed)
+        poison_unread(h32)
+        assert tk.DecodeLaunch(**h32).config.kernel == "gluon_sm90"
+        check(h32, tol=TOL[kv if kv != "same" else dtype])
     small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
     assert tk.DecodeLaunch(**small).config.kernel == "tl_dot"
     small_fp8 = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="fp8", seed=8)
