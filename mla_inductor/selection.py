@@ -96,18 +96,21 @@ class Row:
     max_batch: Optional[int] = None  # the row applies only to calls with a static batch size <= this
     max_heads: Optional[int] = None  # ... with a static head count <= this
     graph: Optional[str] = None  # ... only to calls in this kind of program (CAPTURED_STEP, ONE_CALL_GRAPH, UNCAPTURED)
+    captured: Optional[bool] = None  # ... only to compiled calls whose graph is (True) / is not (False) captured
 
     def matches(self, device: str, problem: DecodeProblem, context: Optional["CallContext"] = None) -> bool:
         return (self.device == device and problem.cache_format in self.formats and self.sparse == problem.sparse
                 and (self.max_batch is None or (problem.batch is not None and problem.batch <= self.max_batch))
                 and (self.max_heads is None or (problem.num_heads is not None and problem.num_heads <= self.max_heads))
-                and (self.graph is None or graph_kind(context) == self.graph))
+                and (self.graph is None or graph_kind(context) == self.graph)
+                and (self.captured is None or (context is not None and context.captured == self.captured)))
 
     def applies_to(self) -> str:
         """The calls the row is limited to, in words (docs/backends.md)."""
         limits = [f"static B ≤ {self.max_batch}" if self.max_batch is not None else "",
                   f"H ≤ {self.max_heads}" if self.max_heads is not None else "",
-                  self.graph or ""]
+                  self.graph or "",
+                  {None: "", True: "captured in CUDA graphs", False: "without CUDA graphs"}[self.captured]]
         return ", ".join(limit for limit in limits if limit) or "any"
 
 
@@ -138,11 +141,17 @@ TABLE: tuple[Row, ...] = (
         "on the host every graph call (docs/benchmarks.md section 4, eighth run)",
         max_batch=1, graph=ONE_CALL_GRAPH),
     Row("sm90", BF16, False, SM90_TRITON_FIRST,
+        "H100, up to 32 sequences, any head count, a graph of one call compiled without CUDA graphs: our Triton "
+        "kernel (the Gluon kernel) 104.8 us at B=32 H=128 and 112.9 at B=16, against FlashMLA's 147.7-225.9 and "
+        "213.9-237.1 us (its schedule, kernel and combine launched from the host every graph call) and "
+        "sgl-flash-mla's direct call 84.1 / 52.0 us (S=4096; docs/benchmarks.md section 4, seventeenth run)",
+        max_batch=32, graph=ONE_CALL_GRAPH, captured=False),
+    Row("sm90", BF16, False, SM90_TRITON_FIRST,
         "H100, up to 32 sequences, few heads, a graph of one call: our Triton kernel 74.9 us with CUDA graphs and "
         "82.7 without, against FlashMLA's 98.9 / 231.7 us (its schedule and combine run every graph call) and "
         "sgl-flash-mla's direct call 71.3 us (B=32, H=16, S=4096; docs/benchmarks.md section 4, tenth run). "
-        "At H=128 FlashMLA stays: Triton took 184 us there (the tl.dot kernel; not re-measured since the Gluon "
-        "kernel)",
+        "At H=128 with CUDA graphs FlashMLA stays: 100.5-101.8 us against the Gluon kernel's 104.7 at B=32, "
+        "68.3-95.5 against 100.2 at B=16 (seventeenth run)",
         max_batch=32, max_heads=16, graph=ONE_CALL_GRAPH),
     Row("sm90", BF16, False, SM90_FA3_FIRST,
         "H100, up to 16 sequences, eager or compiled without CUDA graphs: the step is host-bound, and our call "

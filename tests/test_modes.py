@@ -121,14 +121,15 @@ def test_a_symbolic_batch_selects_like_the_static_one(fake_sm90, fmt, heads):
     B, T, sym_heads = sizes.symbolic("B", 8), sizes.symbolic("T", 8), sizes.symbolic("H", heads)
     code, (symbolic,) = lowered(1, fmt, B=B, T=T, heads=sym_heads, sizes=sizes)
     # fp8_e4m3 goes to a kernel keeping q in bf16 unless the call opted in to an e4m3 query (Triton on SM90);
-    # a one-call bf16 graph of few sequences and heads to Triton too (the one-call row for B <= 32, H <= 16).
-    expected = "triton" if fmt == "fp8_e4m3" or heads <= 16 else "flashmla"
+    # a one-call bf16 graph of up to 32 sequences to Triton too (uncaptured: any H; captured: H <= 16), and
+    # fp8_ds_mla at H=128 to FlashMLA.
+    expected = "triton" if fmt in ("fp8_e4m3", "bf16") or heads <= 16 else "flashmla"
     assert symbolic.backend == static.backend == expected
     assert symbolic.problem == dataclasses.replace(static.problem, batch=16)  # the class 1 < B <= 16 (table limits)
     assert f"num_heads: specialized to {heads}" in symbolic.notes
-    # Only the batch limits where the selection changes are guarded: one-call bf16 graphs go to Triton up to
-    # B=32 at H=16 and from B=2 to FlashMLA at H=128; fp8 (q in bf16) goes to Triton at any B.
-    cls = {("bf16", 16): "B <= 32", ("bf16", 128): "B > 1"}.get((fmt, heads), "any B")
+    # Only the batch limits where the selection changes are guarded: uncaptured one-call bf16 graphs go to Triton
+    # up to B=32 (then to FlashMLA); fp8 (q in bf16) goes to Triton at any B.
+    cls = {("bf16", 16): "B <= 32", ("bf16", 128): "B <= 32"}.get((fmt, heads), "any B")
     assert f"batch: symbolic (traced 8), class {cls}" in symbolic.notes
     assert any(note.startswith("q_per_seq: specialized to 1") for note in symbolic.notes)
     guards = [str(g.expr) for g in sizes.env.guards]
@@ -364,8 +365,9 @@ def test_a_one_call_graph_names_the_plan_cost(fake_sm90, monkeypatch):
     monkeypatch.setattr(backends, "availability", lambda: {**EVERYTHING, "flashmla": "not installed"})
     _, (many,) = lowered(4, "bf16", B=2, heads=128)
     assert many.backend == "flashinfer_fa3"
-    for captured in (False, True):
-        _, (one,) = lowered(1, "bf16", B=2, heads=128, captured=captured)
+    # (Uncaptured one-call graphs of up to 32 sequences have a row of their own with Triton first: B=33 here.)
+    for captured, B in ((False, 33), (True, 2)):
+        _, (one,) = lowered(1, "bf16", B=B, heads=128, captured=captured)
         assert one.backend == "triton" and one.context == CallContext(1, captured)
         (why,) = [r for r in one.reasons if r.startswith("flashinfer_fa3:")]
         assert "plan cost not amortized" in why and "host plan" in why and "1 call" in why

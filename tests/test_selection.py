@@ -62,11 +62,14 @@ def test_sm90_bf16_one_sequence_goes_to_fa3(batch, want):
     (128, 1, CallContext(1, captured=False), "triton"),
     (128, 2, CallContext(1, captured=True), "flashmla"),        # B >= 2: the general row, FA3's host plan moved
     (128, 1, CallContext(2, captured=False), "flashinfer_fa3"),  # two calls share the plan: not a one-call graph
-    # One-call graphs of up to 32 sequences at H <= 16: Triton (tenth run); more sequences or heads: FlashMLA.
+    # One-call graphs of up to 32 sequences: Triton at H <= 16 (tenth run), and at any H without CUDA graphs;
+    # more sequences, or more heads with CUDA graphs: FlashMLA.
     (16, 32, CallContext(1, captured=True), "triton"),
     (16, 32, CallContext(1, captured=False), "triton"),
     (16, 33, CallContext(1, captured=True), "flashmla"),
     (128, 32, CallContext(1, captured=True), "flashmla"),
+    (128, 32, CallContext(1, captured=False), "triton"),        # without CUDA graphs, any H (seventeenth run)
+    (128, 33, CallContext(1, captured=False), "flashmla"),
     (16, 32, CallContext(61, captured=True), "flashmla"),       # a whole step: FlashMLA's schedule is shared
     (16, None, CallContext(1, captured=True), "flashmla"),      # a symbolic batch takes no row limited by B
     # Eager calls and whole steps without CUDA graphs (host-bound at small B): FA3 up to B=16 at any H and up to
