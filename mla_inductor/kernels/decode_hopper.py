@@ -20,9 +20,10 @@ merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/t
   softmax and P V on the other; mbarriers hand the tiles over (ready: widened; free: the consumers' last product
   on it is done). The tile after next is prefetched into L2. The per-tensor scale goes onto the logits and the
   output.
-* fp8_ds_mla: the same pipeline; each tile is dequantized (its four per-128-value scales applied in fp16
-  arithmetic, the bf16 rope copied) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite;
-  the logits get 2^16 back and the output 2^8. Both products are then plain fp16 products.
+* fp8_ds_mla: the same pipeline; each tile's latent part is dequantized (its four per-128-value scales applied
+  in fp16 arithmetic) into fp16 at 2^-8 of its value, q too, so values up to ~1.6e7 stay finite; its bf16 rope
+  part is copied as stored (cp.async, no registers) and multiplied by q's rope part in bf16 at 2^-16; the logits
+  get 2^16 back and the output 2^8.
 
 ``mla_decode_hopper_narrow`` is its variant for few heads (16 per program) on fp8 caches: one warpgroup, the
 products swapped so the keys fill wgmma's 64 rows (logits^T = K q^T, out^T += V^T P^T), two programs per SM.
@@ -126,7 +127,8 @@ if HAVE_GLUON:
                     layout: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr, DS_IN_FP16: gl.constexpr):
         """Half ``HALF`` of the cache rows ``rows`` (16-byte loads; zeros where not ``ok``) widened to ``cdt``:
         0 = latent columns [0, L/2) and the rope, 1 = latent columns [L/2, L). e4m3 (KV_MODE 1) is converted;
-        fp8_ds_mla (2) is dequantized (``_widen_half_ds_fp16`` if DS_IN_FP16, else ``_widen_half_ds_fp32``)."""
+        fp8_ds_mla (2) is dequantized (``_widen_half_ds_fp16``, latent columns only, if DS_IN_FP16, else
+        ``_widen_half_ds_fp32``)."""
         HL: gl.constexpr = L // 2
         if KV_MODE == 1:
             # Every load of the half before its first store: one wait for memory per half.
@@ -137,7 +139,7 @@ if HAVE_GLUON:
             if HALF == 0:
                 kr_wide.store(rope.to(cdt))
         elif DS_IN_FP16:
-            _widen_half_ds_fp16(rows, ok, kn_wide, kr_wide, HALF, L, R, layout, cdt)
+            _widen_half_ds_fp16(rows, ok, kn_wide, HALF, L, layout, cdt)
         else:
             _widen_half_ds_fp32(rows, ok, kn_wide, kr_wide, HALF, L, R, layout, cdt)
 
@@ -174,12 +176,13 @@ if HAVE_GLUON:
             "=r,r,r,r,r", [x, hi, lo, power], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _widen_half_ds_fp16(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                            layout: gl.constexpr, cdt: gl.constexpr):
-        """Half ``HALF`` (as in ``_widen_half``) of fp8_ds_mla cache rows ``rows`` (read through an e4m3 pointer:
-        512 e4m3, four fp32 scales, one per 128 latent values, 64 bf16 rope values) dequantized to fp16 into
-        kn_wide / kr_wide (zeros where not ``ok``), at 2^-8 of their value (the caller's choice of range for
-        fp16). The scales are applied here, so both products are plain fp16 products. e4m3 values are exact in
+    def _widen_half_ds_fp16(rows, ok, kn_wide, HALF: gl.constexpr, L: gl.constexpr, layout: gl.constexpr,
+                            cdt: gl.constexpr):
+        """Half ``HALF`` (as in ``_widen_half``) of the latent columns of fp8_ds_mla cache rows ``rows`` (read
+        through an e4m3 pointer: 512 e4m3, four fp32 scales, one per 128 latent values, 64 bf16 rope values, which
+        the wide kernel copies as stored) dequantized to fp16 into kn_wide (zeros where not ``ok``), at 2^-8 of
+        their value (the caller's choice of range for fp16). The scales are applied here, so the latent products
+        are plain fp16 products. e4m3 values are exact in
         fp16; the scale goes on in fp16 arithmetic (``_fp16_factors``, ``_times_fp16``): about half the
         instructions of ``_widen_half_ds_fp32``, the same single rounding to fp16. The widening warpgroup's choice
         (its instructions bound the wide kernel's fp8_ds_mla time)."""
@@ -187,20 +190,16 @@ if HAVE_GLUON:
         gl.static_assert(cdt == gl.float16)
         HL: gl.constexpr = L // 2
         sc = (rows + L + 8 * HALF).to(gl.pointer_type(gl.float32), bitcast=True)  # this half's two scales (bytes)
-        # The half's two blocks of 128 values (one scale each), and in half 0 the rope: every load before the
-        # first store (one wait for memory per half).
+        # The half's two blocks of 128 values (one scale each): every load before the first store (one wait for
+        # memory per half).
         x_lo = _load_columns(rows, ok, HALF * HL, 128, layout)
         x_hi = _load_columns(rows, ok, HALF * HL + 128, 128, layout)
         s_lo = gl.load(sc, mask=ok, other=0.0)
         s_hi = gl.load(sc + 1, mask=ok, other=0.0)
-        if HALF == 0:
-            rope = _load_columns((rows + L + 16).to(gl.pointer_type(gl.bfloat16), bitcast=True), ok, 0, R, layout)
         hi, lo, power = _fp16_factors(s_lo)
         kn_wide.slice(HALF * HL, 128, dim=1).store(_times_fp16(x_lo.to(gl.float16), hi, lo, power))
         hi, lo, power = _fp16_factors(s_hi)
         kn_wide.slice(HALF * HL + 128, 128, dim=1).store(_times_fp16(x_hi.to(gl.float16), hi, lo, power))
-        if HALF == 0:
-            kr_wide.store(_times_2_to_the_minus_8(rope.to(gl.float32)).to(cdt))
 
     @gluon.jit
     def _widen_half_ds_fp32(rows, ok, kn_wide, kr_wide, HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
@@ -240,13 +239,21 @@ if HAVE_GLUON:
                     f_layout: gl.constexpr, pf_layout: gl.constexpr, cdt: gl.constexpr, KV_MODE: gl.constexpr,
                     IS_SPARSE: gl.constexpr):
         """The widening warpgroup's turn for the tile at ``start``: once the consumers have released kn_w / kr_w
-        (``free``), its cache rows widened into them, then ``ready``; then the rows of the tile after next (whose
-        turn comes after the consumers' next tile) are prefetched into L2."""
+        (``free``), its cache rows widened into them (fp8_ds_mla: the rope copied as stored), then ``ready``; then
+        the rows of the tile after next (whose turn comes after the consumers' next tile) are prefetched into L2."""
         rows, ok = _cache_rows(KV, table, b, start, hi, stride_kv_row, table_stride, num_slots, PAGE_SIZE, BLOCK_N,
                                f_layout, IS_SPARSE)
         mbarrier.wait(free, phase ^ 1)  # (a buffer's first use passes: its barrier has completed no phase yet)
+        if KV_MODE == 2:
+            # The bf16 rope values as stored (see the kernel's ROPE_RAW), copied while the latent part is widened.
+            rope = (rows + L + 16).to(gl.pointer_type(gl.bfloat16), bitcast=True)
+            offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, f_layout))
+            _cp_async(kr_w, rope[:, None] + offs_r[None, :], mask=ok[:, None])
+            async_copy.commit_group()
         _widen_half(rows, ok, kn_w, kr_w, 0, L, R, f_layout, cdt, KV_MODE, True)
         _widen_half(rows, ok, kn_w, kr_w, 1, L, R, f_layout, cdt, KV_MODE, True)
+        if KV_MODE == 2:
+            async_copy.wait_group(0)
         fence_async_shared()  # the stores visible to the consumers' wgmma (the async proxy)
         _cta_barrier()  # (this warpgroup's barrier) every warp's stores done before the one arrival
         mbarrier.arrive(ready, count=1)
@@ -398,9 +405,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _stage_query(QN, QP, row, hb, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, qn_smem, qr_smem,
                      L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, layout: gl.constexpr,
-                     cdt: gl.constexpr, KV_MODE: gl.constexpr):
+                     cdt: gl.constexpr, KV_MODE: gl.constexpr, ROPE_RAW: gl.constexpr = False):
         """q of this program's heads ([BLOCK_H, L] and [BLOCK_H, R]) into shared memory as ``cdt``; heads past H
-        as zeros. For fp8 caches at 2^-8 of its value (see the kernels' scaling)."""
+        as zeros. For fp8 caches at 2^-8 of its value (see the kernels' scaling). ROPE_RAW (fp8_ds_mla, whose rope
+        tiles are copied as stored, bf16): the rope part in bf16 at 2^-16, the scale of the latent part's products."""
         offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
         hmask = offs_h < H
         offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, layout))
@@ -412,7 +420,9 @@ if HAVE_GLUON:
         qn_smem.store(qn)
         qp = gl.load(QP + row.to(gl.int64) * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_r[None, :],
                      mask=hmask[:, None], other=0.0)
-        if KV_MODE != 0:
+        if ROPE_RAW:
+            qp = _times_2_to_the_minus_8(_times_2_to_the_minus_8(qp.to(gl.float32))).to(gl.bfloat16)
+        elif KV_MODE != 0:
             qp = _times_2_to_the_minus_8(qp.to(gl.float32)).to(cdt)
         qr_smem.store(qp)
 
@@ -492,19 +502,26 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                            instr_shape=[16, 256, 16])
         qn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], cdt)
-        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], cdt)
+        # fp8_ds_mla's rope values are bf16 in the cache: their tiles are copied as stored (cp.async), and the rope
+        # part of q is bf16 too, at 2^-16 (the latent part's scale: its products add into the same logits).
+        ROPE_RAW: gl.constexpr = KV_MODE == 2
+        if ROPE_RAW:
+            rdt: gl.constexpr = gl.bfloat16
+        else:
+            rdt: gl.constexpr = cdt
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], rdt)
         kn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], cdt)
-        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], cdt)
+        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], rdt)
         p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], cdt)
 
         qn_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, L], qn_sl)
-        qr_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, R], qr_sl)
+        qr_smem = gl.allocate_shared_memory(rdt, [BLOCK_H, R], qr_sl)
         p_smem = gl.allocate_shared_memory(cdt, [BLOCK_H, BLOCK_N], p_sl)
         # Where the two warpgroups exchange their halves of the row max (and at the end of the row sum).
         xchg = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
         _stage_query(QN, QP, row, hb, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, qn_smem, qr_smem, L, R,
-                     BLOCK_H, ld_layout, cdt, KV_MODE)
+                     BLOCK_H, ld_layout, cdt, KV_MODE, ROPE_RAW)
 
         if KV_MODE != 0:
             # e4m3 tiles are widened (fp8_ds_mla tiles dequantized) by a warpgroup of their own (a worker partition
@@ -515,9 +532,9 @@ if HAVE_GLUON:
             # tile's buffers are known at compile time (with one [2, ...] buffer, Triton puts a barrier before every
             # store of the widening: it cannot tell the halves apart).
             kn_a = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
-            kr_a = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
+            kr_a = gl.allocate_shared_memory(rdt, [BLOCK_N, R], kr_sl)
             kn_b = gl.allocate_shared_memory(cdt, [BLOCK_N, L], kn_sl)
-            kr_b = gl.allocate_shared_memory(cdt, [BLOCK_N, R], kr_sl)
+            kr_b = gl.allocate_shared_memory(rdt, [BLOCK_N, R], kr_sl)
             ready_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             ready_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             free_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
