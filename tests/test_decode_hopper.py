@@ -222,7 +222,8 @@ def test_the_wide_kernels_fallback_is_the_tl_dot_kernels_best_tiling(monkeypatch
     monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
     monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
     gpu_tiling = dk.tl_dot_config
-    monkeypatch.setattr(dk, "tl_dot_config", lambda T, H, kv_len, device: gpu_tiling(T, H, kv_len, torch.device("cuda")))
+    monkeypatch.setattr(dk, "tl_dot_config",
+                        lambda T, H, kv_len, device: gpu_tiling(T, H, kv_len, torch.device("cuda")))
     cfg = dk.gluon_config("gluon_sm90", 2, H, 64, torch.device("cuda", 0))
     c = dict(q_nope=torch.randn(2, H, 256, dtype=torch.bfloat16), q_pe=torch.randn(2, H, 64, dtype=torch.bfloat16),
              kv_cache=torch.randn(4, 16, 320, dtype=torch.bfloat16), block_table=torch.tensor([[0, 1], [2, 3]],

@@ -410,13 +410,13 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
     if not _hopper_kernel_runs_on(device):
         return cfg
     if cfg.block_h in (32, 64):
-        # The Gluon kernel (decode_hopper), at the tl.dot kernel's tiling and splits at 64 heads (its fallback keeps
-        # them): 1.5-1.8x the tl.dot kernel's speed at H=128 from B=16 up on an H100 (2.4x for fp8_ds_mla;
-        # docs/benchmarks.md section 1). From 17 to 32 heads too, though half its 64-row products or more are then
-        # empty: at H=32 (DeepSeek-V3 at tensor parallel 4) it still beats the tl.dot kernel's 32-head tiling, most
-        # of all on fp8 caches, which the tl.dot kernel widens in the same warps as its products (H100, B=128
-        # S=4096: bf16 1.17x, fp8_e4m3 1.69x, fp8_ds_mla 1.78x; section 1, seventh run). DecodeLaunch keeps the
-        # tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
+        # The Gluon kernel (decode_hopper), at the tl.dot kernel's 64-head tiling and splits (from 33 heads up its
+        # fallback keeps them): 1.5-1.8x the tl.dot kernel's speed at H=128 from B=16 up on an H100 (2.4x for
+        # fp8_ds_mla; docs/benchmarks.md section 1). From 17 to 32 heads too, though half of its 64-row products
+        # or more are then empty: at H=32 (DeepSeek-V3 at tensor parallel 4) it still beats the tl.dot kernel's
+        # 32-head tiling, most of all on fp8 caches, which the tl.dot kernel widens in the warps that run its
+        # products (H100, B=128 S=4096: bf16 1.16x, fp8_e4m3 1.69x, fp8_ds_mla 1.87x; section 1, seventh run).
+        # DecodeLaunch keeps the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
         return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
         # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (bf16 at 16 heads
