@@ -546,8 +546,8 @@ if HAVE_GLUON:
             fence_async_shared()
             _cta_barrier()  # q staged and the barriers initialized before either partition starts
             # The widening warpgroup's registers per thread: what each format's widening needs without spilling
-            # much (ptxas -v). The consumers get the rest, but their code stays within the .maxnreg Triton gives
-            # the 12 warps (168) whatever setmaxnreg grants.
+            # much (ptxas -v). The consumers get the rest of the CTA's 168 x 384 through setmaxnreg (208 a thread
+            # with 88 here: their main loop uses up to ~204).
             WIDEN_REGS: gl.constexpr = 96 if KV_MODE == 2 else 88
             m_i, l_part, acc = gl.warp_specialize(
                 [(_attend_wide_tiles, (qn_smem, qr_smem, p_smem, xchg, kn_a, kr_a, kn_b, kr_b, ready_a, ready_b,
