@@ -476,7 +476,7 @@ def poison_unread(case):
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("same", torch.float16), ("fp8", "fp8"),
-                                      ("ds", "fp8")])
+                                      ("ds", "fp8"), ("ds", torch.float16)])  # (fp16 q: its rope part goes bf16)
 @pytest.mark.parametrize("H", [40, 128])
 @pytest.mark.parametrize("tiling", [(64, 2), (32, 3)])
 @pytest.mark.parametrize("page,Q,ns", [(64, 1, 1), (7, 2, 3), (1, 1, 2), (16, 4, 1)])
