@@ -2,8 +2,8 @@
 
 Rows ``triton_*`` are our default path (on an SM90 GPU the Gluon kernel where it covers the call, else the
 ``tl.dot`` kernel); rows ``tldot_*`` force the ``tl.dot`` kernel (what GPUs other than SM90 run) where the
-two differ; on SM90, rows ``wide_*`` / ``narrow_*`` force the 64-head / 16-head Gluon kernel where the default is
-the ``tl.dot`` kernel (e.g. bf16 at H=16: whether a Gluon kernel should take those calls).
+two differ; on SM90, row ``wide_bf16`` forces the 64-head Gluon kernel where the default is the ``tl.dot`` kernel
+(bf16 at H <= 16: whether the Gluon kernel should take those calls too; fp8 calls on SM90 all run a Gluon kernel).
 
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--only=flashmla,...] [--out DIR]
@@ -59,12 +59,12 @@ def _ours(c, kind, config=None):
     return _prepared(qn, qp, cache, c["block_table"], c["lens"], c["scale"], scale, None, config), ref, per_tok
 
 
-FORCED_GLUON = {"narrow": "gluon_sm90_narrow", "wide": "gluon_sm90"}
+FORCED_GLUON = {"wide": "gluon_sm90"}  # a row prefix -> the Gluon kernel it forces
 
 
 def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
     """``config`` as given; for "tldot" the default launch configuration on the ``tl.dot`` kernel (SameKernel where
-    the default already is the tl.dot kernel); for "narrow" / "wide" the Gluon kernel of that name at its own
+    the default already is the tl.dot kernel); for "wide" (FORCED_GLUON) the Gluon kernel of that name at its own
     tiling, on calls whose default is the tl.dot kernel (SameKernel elsewhere, off SM90, and where that Gluon
     kernel does not cover the call): whether a Gluon kernel should take them."""
     if config not in ("tldot", *FORCED_GLUON):
@@ -139,8 +139,7 @@ def _failed(label, name, e) -> str:
     return f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
 
 
-OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds", "wide_bf16", "wide_fp8",
-        "wide_ds", "narrow_fp8", "narrow_ds")
+OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds", "wide_bf16")
 OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds", "tldot_sparse_bf16", "tldot_sparse_ds")
 
 

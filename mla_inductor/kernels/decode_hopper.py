@@ -182,10 +182,9 @@ if HAVE_GLUON:
         through an e4m3 pointer: 512 e4m3, four fp32 scales, one per 128 latent values, 64 bf16 rope values, which
         the wide kernel copies as stored) dequantized to fp16 into kn_wide (zeros where not ``ok``), at 2^-8 of
         their value (the caller's choice of range for fp16). The scales are applied here, so the latent products
-        are plain fp16 products. e4m3 values are exact in
-        fp16; the scale goes on in fp16 arithmetic (``_fp16_factors``, ``_times_fp16``): about half the
-        instructions of ``_widen_half_ds_fp32``, the same single rounding to fp16. The widening warpgroup's choice
-        (its instructions bound the wide kernel's fp8_ds_mla time)."""
+        are plain fp16 products. e4m3 values are exact in fp16; the scale goes on in fp16 arithmetic
+        (``_fp16_factors``, ``_times_fp16``): about half the instructions of ``_widen_half_ds_fp32``, the same single
+        rounding to fp16. The widening warpgroup's choice (its work sets the wide kernel's fp8_ds_mla pace)."""
         gl.static_assert(L == 512)
         gl.static_assert(cdt == gl.float16)
         HL: gl.constexpr = L // 2
