@@ -491,7 +491,9 @@ def _timed_dynamic(case: Case, qs, caches, step, cudagraphs: bool, mark: bool = 
 
 # ----------------------------------------------------------------------------- part d
 
-D_MODES = ("whole+cudagraphs", "per_layer+cudagraphs", "whole", "per_layer")
+# The acceptance pair first (per layer vs whole step, with CUDA graphs), then the layers compiled one by one under
+# one CUDA graph of the whole step (hf.CapturedDecodeStep), then the modes without CUDA graphs.
+D_MODES = ("whole+cudagraphs", "per_layer+cudagraphs", "per_layer+captured_step", "whole", "per_layer")
 
 
 def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, configs=None, modes=D_MODES,
@@ -509,7 +511,7 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, con
     model = bench_e2e.build_model(model_args, torch.device("cuda"), torch.bfloat16)
     configs = configs or [(fmt, B) for fmt in fmts for B in batches]
     measured: dict[tuple, dict] = {cfg: {} for cfg in configs}
-    for group in (D_MODES[:2], D_MODES[2:]):
+    for group in (D_MODES[:3], D_MODES[3:]):
         for fmt, B in configs:
             for mode in (m for m in group if m in modes):
                 if deadline.spent():
@@ -531,8 +533,9 @@ def part_d(batches, fmts, layers: int, deadline: Deadline, results: Results, con
             row[f"{mode}_ms"] = m.get("ms", m.get("error", "not run"))
             row[f"{mode}_backend"] = m.get("backends")
             row[f"{mode}_host_ms"] = m.get("host_ms")
-        row["per_layer_ratio"] = _ratio(*(by_mode.get(m, {}).get("ms") for m in ("per_layer+cudagraphs",
-                                                                                 "whole+cudagraphs")))
+        whole_ms = by_mode.get("whole+cudagraphs", {}).get("ms")
+        row["per_layer_ratio"] = _ratio(by_mode.get("per_layer+cudagraphs", {}).get("ms"), whole_ms)
+        row["captured_step_ratio"] = _ratio(by_mode.get("per_layer+captured_step", {}).get("ms"), whole_ms)
         results.add("d", row)
 
 
@@ -556,6 +559,9 @@ def hf_step_ms(model, hf, bench_e2e, fmt: str, B: int, mode: str, context: int =
     if per_layer:  # regional compilation: every decoder layer compiled on its own
         hf.compile_layers(model, fullgraph=True, mode=compile_mode)
         step = hf.decode_one_token
+        if mode == "per_layer+captured_step":  # ... and one CUDA graph of the whole step, made by the library
+            captured = hf.CapturedDecodeStep(model, cache)
+            step = lambda model, tokens, cache: captured(tokens)  # noqa: E731
     else:
         step = torch.compile(hf.decode_one_token, fullgraph=True, mode=compile_mode)
 
@@ -614,8 +620,10 @@ def markdown(results: Results, env: dict, args) -> str:
               ["fmt", "mode", "B", "us_per_call", "alone_us", "ratio", "recompiled", "backend", "alone_backend",
                "err"]),
         "d": ("d. 8-layer DeepSeek-V3-shaped HF model, ms per decode step (target: per layer + CUDA graphs <= 1.1x "
-              "the whole step with CUDA graphs)",
-              ["fmt", "B", *[f"{m}_ms" for m in D_MODES], "per_layer_ratio", *[f"{m}_host_ms" for m in D_MODES],
+              "the whole step with CUDA graphs; per_layer+captured_step: the layers compiled one by one under one CUDA "
+              "graph of the step, hf.CapturedDecodeStep)",
+              ["fmt", "B", *[f"{m}_ms" for m in D_MODES], "per_layer_ratio", "captured_step_ratio",
+               *[f"{m}_host_ms" for m in D_MODES],
                *[f"{m}_backend" for m in D_MODES]]),
     }
     for part, (title, columns) in sections.items():

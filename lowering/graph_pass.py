@@ -56,6 +56,7 @@ from mla_inductor.selection import (
     CallContext,
     Selection,
     batch_limits,
+    capture_expected,
     fp8_query_allowed,
     rank_backends,
     select_backend,
@@ -198,7 +199,8 @@ def _call_contexts(graph: torch.fx.Graph) -> dict[torch.fx.Node, CallContext]:
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _DECODE_OPS]
     keys = {n: _plan_key(n, target=False, by_value=True) for n in calls}
     sharing = Counter(keys.values())
-    captured = cudagraphs_enabled()
+    # Captured by Inductor (mode="reduce-overhead"), or by the caller around the whole step (compiling_for_capture).
+    captured = cudagraphs_enabled() or capture_expected()
     return {n: CallContext(sharing[keys[n]], captured) for n in calls}
 
 
@@ -426,7 +428,7 @@ def _autotuned(problem, capability, selection, fake):
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
-             f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}",
+             f"debug_checks={debug_checks_enabled()}", f"captured_by_caller={capture_expected()}", f"available={sorted(availability().items())}",
              f"environment={environment_settings()}",
              # Whether the generated code calls our ops directly (a graph cached with direct calls needs them).
              f"direct_calls={direct_ops_watched() and direct_calls_supported()}"]

@@ -51,6 +51,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from mla_inductor._compat import mark_static_address
 from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache
+from mla_inductor.contract import being_captured
 from mla_inductor.prefill import prefill_attention
 
 ATTN_IMPLEMENTATION = "mla_inductor"
@@ -429,8 +430,8 @@ class PagedMLACache(Cache):
     def _begin_forward(self, num_columns: int) -> None:
         """At the forward's first MLA layer (in ``update``): count the new columns and decide prompt vs
         decode attention for every layer of this forward."""
-        if torch.compiler.is_compiling():
-            self._host_columns = None  # the compiled step counts on the device only
+        if self._counted_on_device():
+            self._host_columns = None  # a compiled or captured step counts on the device only
         elif self.sparse:
             columns = self._columns_seen() + num_columns
             if columns > self.max_seq_len:
@@ -446,6 +447,11 @@ class PagedMLACache(Cache):
             self._prompt_forward = prompt
         if prompt:
             self._has_tokens = True
+
+    def _counted_on_device(self) -> bool:
+        """Whether this forward is compiled or captured in a CUDA graph: its replays run none of its Python, so
+        the host's count cannot follow them, and no check may read the device."""
+        return torch.compiler.is_compiling() or being_captured(self._columns)
 
     def _columns_seen(self) -> int:
         """Columns seen before this forward, from the host's count when it has one (no device read)."""
@@ -471,9 +477,9 @@ class PagedMLACache(Cache):
 
     def _check_capacity(self, real: Optional[torch.Tensor], Q: int) -> None:
         """Eager forwards: no sequence may outgrow max_seq_len. No sequence holds more tokens than the columns
-        seen, so the device is read only when that bound does not settle it (compiled steps skip the check:
-        their slots are clamped into the block table)."""
-        if torch.compiler.is_compiling():
+        seen, so the device is read only when that bound does not settle it (compiled and captured steps skip
+        the check: their slots are clamped into the block table)."""
+        if self._counted_on_device():
             return
         if self._host_columns is not None and self._host_columns <= self.max_seq_len:
             return  # _begin_forward already counted this forward's columns

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from mla_inductor._compat import inductor_loaded
+from mla_inductor.backends import forget_plans
+from mla_inductor.selection import compiling_for_capture
 from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CapturedDecodeStep",
     "DCPMLACache",  # noqa: F822 - lazy (module __getattr__: transformers is imported on first use)
     "PagedMLACache",
     "SUPPORTED_MODEL_TYPES",  # noqa: F822 - lazy, as above
@@ -145,6 +148,109 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> list[nn.Module]:
         forward = _own_code_copy(type(layer).forward, f"layer{i}")
         layer.forward = torch.compile(types.MethodType(forward, layer), **compile_kwargs)
     return list(layers)
+
+
+class CapturedDecodeStep:
+    """``decode_one_token(model, tokens, cache)`` as one CUDA graph for the whole step, for a model whose
+    layers run eagerly or are compiled one by one (``compile_layers(model, fullgraph=True)``, *without*
+    ``mode="reduce-overhead"``)::
+
+        hf.compile_layers(model, fullgraph=True)     # regional compilation: one layer's compile time
+        step = hf.CapturedDecodeStep(model, cache)    # one CUDA graph per step
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        for _ in range(n):
+            token = step(token).argmax(-1)
+
+    Per-layer CUDA graphs (``mode="reduce-overhead"``) make a CUDA-graph tree per layer, and each layer's call
+    then costs the host its guards, the tree's checks and a launch (a few hundred µs per layer on some hosts:
+    more than the device's work at small batches). Here a step costs one copy of ``tokens``, one graph launch
+    and one copy of the logits, however many layers the model has.
+
+    The first call runs the step as usual (compiling the layers, for graphs captured as a whole: a backend
+    whose plan runs on the host is not chosen) and returns its logits; the second captures the step and
+    replays it; every later call copies ``tokens`` in and replays. Each call returns a new [B, V] logits
+    tensor. The graph holds the addresses of the model's weights and of the cache: rebuild it after replacing
+    a weight tensor (``load_state_dict`` copies in place and needs nothing) or to use another cache. The
+    cache's ``reset``, ``crop``, ``set_length`` and ``reorder_cache`` work between calls (they write in place;
+    after ``reset``, ``prefill`` a new prompt before the next step). As in a compiled step, no capacity check
+    runs: a sequence must not outgrow the cache's ``max_seq_len``.
+    """
+
+    def __init__(self, model: nn.Module, cache: "PagedMLACache"):
+        check_attention(model)
+        seq_lens = cache.seq_lens
+        if not seq_lens.is_cuda:
+            raise ValueError(f"CapturedDecodeStep: CUDA graphs need the model and cache on a CUDA device; the cache "
+                             f"is on {seq_lens.device} (call hf.decode_one_token directly there)")
+        self.model, self.cache = model, cache
+        self.batch_size = seq_lens.shape[0]
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._tokens: Optional[torch.Tensor] = None  # the graph's input, written by each call
+        self._logits: Optional[torch.Tensor] = None  # the graph's output, copied out by each call
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step: tokens [B] (integer, on the cache's device) -> logits [B, V]."""
+        self._check_tokens(tokens)
+        if self._graph is None:
+            return self._warm_up_or_capture(tokens)
+        self._tokens.copy_(tokens)
+        self._graph.replay()
+        # The replay wrote the lengths where torch's version counters do not see it: a plan stored from them
+        # (an eager call's, outside this graph) must be made again.
+        forget_plans()
+        return self._logits.clone()
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        device = self.cache.seq_lens.device
+        if not isinstance(tokens, torch.Tensor) or tokens.shape != (self.batch_size,) \
+                or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool \
+                or tokens.device != device:
+            got = (f"{tuple(tokens.shape)} {tokens.dtype} on {tokens.device}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__)
+            raise ValueError(f"CapturedDecodeStep: tokens must be [B={self.batch_size}] integer token ids on {device} "
+                             f"(the cache's batch and device), got {got}")
+
+    def _warm_up_or_capture(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.cache._has_tokens:
+            raise ValueError("CapturedDecodeStep: the cache holds no prompt; add one first (hf.prefill) so that the "
+                             "step captured is a decode step")
+        if self._stream is None:  # the first call: compiles the layers, for a captured step
+            self._stream = torch.cuda.Stream(tokens.device)
+            return self._on_side_stream(lambda: self._step(tokens), tokens)
+        self._tokens = tokens.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with compiling_for_capture(), torch.cuda.graph(graph, stream=self._stream):
+                self._logits = decode_one_token(self.model, self._tokens, self.cache)
+        except Exception as e:
+            self._tokens = self._logits = None
+            raise RuntimeError(
+                "CapturedDecodeStep: the decode step could not be captured in a CUDA graph. Layers compiled with "
+                "mode='reduce-overhead' make CUDA graphs of their own (compile them without it), and model code "
+                "that waits for the device (.item(), data-dependent shapes) cannot be captured. "
+                f"The error: {type(e).__name__}: {e}") from e
+        self._graph = graph
+        self._graph.replay()
+        forget_plans()
+        return self._logits.clone()
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        with compiling_for_capture():
+            return decode_one_token(self.model, tokens, self.cache)
+
+    def _on_side_stream(self, fn: Callable[[], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """fn() on the capture's stream (a library's lazy set-up for a stream happens before the capture, as
+        torch.cuda.graphs asks), ordered after and before the caller's stream."""
+        caller = torch.cuda.current_stream()
+        self._stream.wait_stream(caller)
+        tokens.record_stream(self._stream)  # read there: its memory is not reused before that read
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        caller.wait_stream(self._stream)
+        out.record_stream(caller)
+        return out
 
 
 def _own_code_copy(fn: Callable, suffix: str) -> Callable:

@@ -295,6 +295,21 @@ def allow_fp8_query(allowed: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def compiling_for_capture() -> Iterator[None]:
+    """Graphs compiled inside the block are chosen for as if captured in CUDA graphs, though Inductor makes
+    none: their caller captures the whole step in one CUDA graph of its own (``hf.CapturedDecodeStep`` around
+    layers compiled one by one), so a backend whose plan runs on the host, which a capture cannot replay, must
+    not be chosen."""
+    with _pushed("capture", True):
+        yield
+
+
+def capture_expected() -> bool:
+    """Whether ``compiling_for_capture`` is active on this thread."""
+    return bool(_local.__dict__.get("capture"))
+
+
+@contextlib.contextmanager
 def _pushed(name: str, value) -> Iterator[None]:
     """``value`` on top of this thread's stack ``name`` inside the block (blocks nest; the innermost wins)."""
     stack = _local.__dict__.setdefault(name, [])

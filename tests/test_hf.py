@@ -419,6 +419,19 @@ def test_compile_layers_gives_every_layer_its_own_graph_cache():
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # undone by del layer.forward
 
 
+def test_captured_decode_step_needs_a_cuda_cache_and_our_attention():
+    """CUDA graphs exist on CUDA devices only: on the CPU the step says so before anything runs; a model not on
+    our attention is refused as everywhere."""
+    model = make_model("v3_yarn")
+    cache = use_mla(model, batch=4)
+    with pytest.raises(ValueError, match=r"CapturedDecodeStep: CUDA graphs need the model and cache on a CUDA "
+                                         r"device; the cache is on cpu"):
+        hf.CapturedDecodeStep(model, cache)
+    model.set_attn_implementation("eager")
+    with pytest.raises(RuntimeError, match="attention implementation is 'eager'"):
+        hf.CapturedDecodeStep(model, cache)
+
+
 def test_compile_layers_names_what_it_cannot_compile():
     with pytest.raises(TypeError, match="no decoder layers"):
         hf.compile_layers(torch.nn.Linear(2, 2))
@@ -858,3 +871,64 @@ def test_bench_generate_trace_profiles_the_generate_row_only(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_generate.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["generate-mla"] and "Self CPU time total" in rows[0]["extra"]["trace"]
+
+
+def captured_step_against_plain_steps(compile_layers: bool, steps: int = 6):
+    """The same prompt in two caches; ``steps`` decode steps through ``hf.decode_one_token`` on one and through
+    ``hf.CapturedDecodeStep`` on the other (layers eager, or compiled one by one), fed the same tokens. The
+    replays run with the graph's output poisoned first and under ``set_sync_debug_mode("error")``. Returns the
+    logits of both [steps, B, V], and the two caches."""
+    torch._dynamo.reset()
+    model = gpu_model()
+    ids, mask = left_padded_prompts(device="cuda", seed=5)
+    plain_cache, graph_cache = (use_mla(model, batch=4, max_seq_len=64, page_size=64) for _ in range(2))
+    want, got = [], []
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=plain_cache).argmax(-1)
+        hf.prefill(model, ids, mask, cache=graph_cache)
+        if compile_layers:
+            hf.compile_layers(model, fullgraph=True)
+        try:
+            step = hf.CapturedDecodeStep(model, graph_cache)
+            for i in range(steps):
+                want.append(hf.decode_one_token(model, token, plain_cache).float())
+                if i >= 2:  # captured: the graph's output poisoned, and nothing may wait for the device
+                    step._logits.fill_(float("nan"))
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    got.append(step(token).float())
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                token = want[-1].argmax(-1)
+        finally:
+            for layer in model.model.layers:
+                layer.__dict__.pop("forward", None)
+    return torch.stack(want), torch.stack(got), plain_cache, graph_cache, step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager_layers", "compiled_layers"])
+def test_gpu_captured_decode_step_agrees_with_plain_steps(compile_layers):
+    """hf.CapturedDecodeStep (warm-up, then capture, then replays) gives the logits of plain decode steps within
+    bf16 error at every step, its cache advances like the plain one, and a replay writes every logit."""
+    want, got, plain_cache, graph_cache, step = captured_step_against_plain_steps(compile_layers)
+    assert step._graph is not None  # the later steps were replays
+    assert got.isfinite().all()
+    for i in range(len(want)):
+        err = ((got[i] - want[i]).norm() / want[i].norm()).item()
+        assert err < 2e-2, f"step {i}: logits relative error {err:.3g}"
+    assert torch.equal(graph_cache.seq_lens, plain_cache.seq_lens)
+    torch.testing.assert_close(graph_cache.get_seq_length(), plain_cache.get_seq_length())
+
+
+@pytest.mark.gpu
+def test_gpu_captured_decode_step_refuses_bad_tokens_and_an_empty_cache():
+    model = gpu_model()
+    cache = use_mla(model, batch=4, max_seq_len=64, page_size=64)
+    step = hf.CapturedDecodeStep(model, cache)
+    with pytest.raises(ValueError, match="holds no prompt"):
+        step(torch.ones(4, dtype=torch.long, device="cuda"))
+    for bad in (torch.ones(3, dtype=torch.long, device="cuda"), torch.ones(4, dtype=torch.long),
+                torch.ones(4, 1, dtype=torch.long, device="cuda"), torch.ones(4, device="cuda")):
+        with pytest.raises(ValueError, match=r"tokens must be \[B=4\] integer token ids on cuda"):
+            step(bad)

@@ -26,7 +26,7 @@ from torch.testing import FileCheck
 import mla_inductor
 from mla_inductor._memo import Memo
 from mla_inductor.backends import flashmla, registered_backends
-from mla_inductor.selection import CallContext, select_backend
+from mla_inductor.selection import CallContext, compiling_for_capture, select_backend
 from mla_inductor.testing import make_decode_inputs, relative_error
 
 EVERYTHING = {name: None for name in registered_backends()}
@@ -355,6 +355,21 @@ def test_a_whole_step_without_cuda_graphs_takes_the_host_cheap_backend(fake_sm90
     assert plain.context == CallContext(4, False) and plain.backend == uncaptured
     _, (captured,) = lowered(4, "bf16", B=batch, heads=heads, captured=True)
     assert captured.context == CallContext(4, True) and captured.backend == "flashmla"
+
+
+def test_a_step_captured_by_its_caller_is_chosen_for_as_captured(fake_sm90):
+    """``hf.CapturedDecodeStep`` captures a step of separately compiled layers in one CUDA graph of its own, which
+    Inductor does not know of: graphs compiled inside ``compiling_for_capture()`` are chosen for as captured ones
+    (FA3's host plan cannot be replayed), and Inductor's FX-graph cache keys them apart from the others."""
+    from mla_inductor.lowering import MLALoweringPass
+
+    with compiling_for_capture():
+        _, (inside,) = lowered(3, "bf16", B=4, heads=128)
+        key_inside = MLALoweringPass().uuid()
+    _, (outside,) = lowered(3, "bf16", B=4, heads=128)
+    assert inside.context == CallContext(3, True) and inside.backend == "flashmla"
+    assert outside.context == CallContext(3, False) and outside.backend == "flashinfer_fa3"
+    assert key_inside != MLALoweringPass().uuid()
 
 
 def test_a_one_call_graph_names_the_plan_cost(fake_sm90, monkeypatch):
