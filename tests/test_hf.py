@@ -873,13 +873,21 @@ def test_bench_generate_trace_profiles_the_generate_row_only(tmp_path):
     assert [r["name"] for r in rows] == ["generate-mla"] and "Self CPU time total" in rows[0]["extra"]["trace"]
 
 
-def captured_step_against_plain_steps(compile_layers: bool, steps: int = 6):
+def gpu_dsa_model():
+    """DeepSeek-V3.2 (DSA) on the GPU, its top-k above every context here: the sparse path, a dense result."""
+    model = random_mla_model("deepseek_v32", dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
+                             **dict(GPU_V3, index_head_dim=128, index_n_heads=4, index_topk=64))
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def captured_step_against_plain_steps(make_model, compile_layers: bool, steps: int = 6):
     """The same prompt in two caches; ``steps`` decode steps through ``hf.decode_one_token`` on one and through
     ``hf.CapturedDecodeStep`` on the other (layers eager, or compiled one by one), fed the same tokens. The
     replays run with the graph's output poisoned first and under ``set_sync_debug_mode("error")``. Returns the
-    logits of both [steps, B, V], and the two caches."""
+    logits of both [steps, B, V], the two caches and the captured step."""
     torch._dynamo.reset()
-    model = gpu_model()
+    model = make_model()
     ids, mask = left_padded_prompts(device="cuda", seed=5)
     plain_cache, graph_cache = (use_mla(model, batch=4, max_seq_len=64, page_size=64) for _ in range(2))
     want, got = [], []
@@ -908,10 +916,11 @@ def captured_step_against_plain_steps(compile_layers: bool, steps: int = 6):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager_layers", "compiled_layers"])
-def test_gpu_captured_decode_step_agrees_with_plain_steps(compile_layers):
+@pytest.mark.parametrize("make_model", [gpu_model, gpu_dsa_model], ids=["v3", "v32_dsa"])
+def test_gpu_captured_decode_step_agrees_with_plain_steps(make_model, compile_layers):
     """hf.CapturedDecodeStep (warm-up, then capture, then replays) gives the logits of plain decode steps within
     bf16 error at every step, its cache advances like the plain one, and a replay writes every logit."""
-    want, got, plain_cache, graph_cache, step = captured_step_against_plain_steps(compile_layers)
+    want, got, plain_cache, graph_cache, step = captured_step_against_plain_steps(make_model, compile_layers)
     assert step._graph is not None  # the later steps were replays
     assert got.isfinite().all()
     for i in range(len(want)):
