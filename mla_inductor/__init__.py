@@ -21,7 +21,13 @@ from mla_inductor.contract import DecodeProblem
 from mla_inductor.merge import merge_attn_states, merge_attn_states_n
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
-from mla_inductor.selection import allow_fp8_query, backend_for_call, prefer_backends, select_backend
+from mla_inductor.selection import (
+    allow_fp8_query,
+    backend_for_call,
+    compiling_for_capture,
+    prefer_backends,
+    select_backend,
+)
 
 __version__ = "0.1.0"
 
@@ -42,6 +48,7 @@ __all__ = [
     "PagedLatentCache",
     "cache_append",
     "cache_format",
+    "compiling_for_capture",
     "forget_plans",
     "fp8_scale_for",
     "merge_attn_states",
