@@ -428,8 +428,10 @@ def _autotuned(problem, capability, selection, fake):
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
     parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
-             f"debug_checks={debug_checks_enabled()}", f"captured_by_caller={capture_expected()}", f"available={sorted(availability().items())}",
+             f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}",
              f"environment={environment_settings()}",
+             # Graphs its caller captures (compiling_for_capture) choose as captured ones do.
+             f"captured_by_caller={capture_expected()}",
              # Whether the generated code calls our ops directly (a graph cached with direct calls needs them).
              f"direct_calls={direct_ops_watched() and direct_calls_supported()}"]
     parts += [f"{lib}={version}" for lib, version in library_versions().items()]

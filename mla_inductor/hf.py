@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from mla_inductor._compat import inductor_loaded
+from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
 from mla_inductor.backends import forget_plans
 from mla_inductor.selection import compiling_for_capture
-from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
 
 if TYPE_CHECKING:
     from mla_inductor._hf import PagedMLACache
@@ -217,8 +217,10 @@ class CapturedDecodeStep:
             raise ValueError("CapturedDecodeStep: the cache holds no prompt; add one first (hf.prefill) so that the "
                              "step captured is a decode step")
         if self._stream is None:  # the first call: compiles the layers, for a captured step
-            self._stream = torch.cuda.Stream(tokens.device)
-            return self._on_side_stream(lambda: self._step(tokens), tokens)
+            stream = torch.cuda.Stream(tokens.device)
+            logits = self._on_side_stream(stream, lambda: self._step(tokens), tokens)
+            self._stream = stream  # (only once a warm-up went through: a failed one is run again)
+            return logits
         self._tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -240,15 +242,17 @@ class CapturedDecodeStep:
         with compiling_for_capture():
             return decode_one_token(self.model, tokens, self.cache)
 
-    def _on_side_stream(self, fn: Callable[[], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _on_side_stream(stream: torch.cuda.Stream, fn: Callable[[], torch.Tensor],
+                        tokens: torch.Tensor) -> torch.Tensor:
         """fn() on the capture's stream (a library's lazy set-up for a stream happens before the capture, as
         torch.cuda.graphs asks), ordered after and before the caller's stream."""
         caller = torch.cuda.current_stream()
-        self._stream.wait_stream(caller)
-        tokens.record_stream(self._stream)  # read there: its memory is not reused before that read
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(caller)
+        tokens.record_stream(stream)  # read there: its memory is not reused before that read
+        with torch.cuda.stream(stream):
             out = fn()
-        caller.wait_stream(self._stream)
+        caller.wait_stream(stream)
         out.record_stream(caller)
         return out
 
