@@ -448,6 +448,11 @@ class PagedMLACache(Cache):
         if prompt:
             self._has_tokens = True
 
+    def _advanced_by_replay(self) -> None:
+        """A captured decode step was replayed (``hf.CapturedDecodeStep``): it advanced the lengths on the device
+        and ran none of this object's Python, so the host's count no longer follows them."""
+        self._host_columns = None
+
     def _counted_on_device(self) -> bool:
         """Whether this forward is compiled or captured in a CUDA graph: its replays run none of its Python, so
         the host's count cannot follow them, and no check may read the device."""

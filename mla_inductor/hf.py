@@ -172,7 +172,7 @@ class CapturedDecodeStep:
     tensor. The graph holds the addresses of the model's weights and of the cache: rebuild it after replacing
     a weight tensor (``load_state_dict`` copies in place and needs nothing) or to use another cache. The
     cache's ``reset``, ``crop``, ``set_length`` and ``reorder_cache`` work between calls (they write in place;
-    after ``reset``, ``prefill`` a new prompt before the next step). As in a compiled step, no capacity check
+    after ``reset``, ``prefill`` a new prompt before the next step: a call on an empty cache is refused). As in a compiled step, no capacity check
     runs: a sequence must not outgrow the cache's ``max_seq_len``.
     """
 
@@ -193,13 +193,21 @@ class CapturedDecodeStep:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step: tokens [B] (integer, on the cache's device) -> logits [B, V]."""
         self._check_tokens(tokens)
+        if not self.cache._has_tokens:  # (a host flag: after reset(), a new prompt comes first)
+            raise ValueError("CapturedDecodeStep: the cache holds no prompt; add one first (hf.prefill) so that the "
+                             "step is a decode step")
         if self._graph is None:
             return self._warm_up_or_capture(tokens)
         self._tokens.copy_(tokens)
+        return self._replay()
+
+    def _replay(self) -> torch.Tensor:
         self._graph.replay()
-        # The replay wrote the lengths where torch's version counters do not see it: a plan stored from them
-        # (an eager call's, outside this graph) must be made again.
+        # The replay wrote the lengths where neither torch's version counters nor the cache's host count see it:
+        # a plan stored from them (an eager call's, outside this graph) must be made again, and the cache's
+        # capacity checks must read the device.
         forget_plans()
+        self.cache._advanced_by_replay()
         return self._logits.clone()
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
@@ -213,9 +221,6 @@ class CapturedDecodeStep:
                              f"(the cache's batch and device), got {got}")
 
     def _warm_up_or_capture(self, tokens: torch.Tensor) -> torch.Tensor:
-        if not self.cache._has_tokens:
-            raise ValueError("CapturedDecodeStep: the cache holds no prompt; add one first (hf.prefill) so that the "
-                             "step captured is a decode step")
         if self._stream is None:  # the first call: compiles the layers, for a captured step
             stream = torch.cuda.Stream(tokens.device)
             logits = self._on_side_stream(stream, lambda: self._step(tokens), tokens)
@@ -234,9 +239,7 @@ class CapturedDecodeStep:
                 "that waits for the device (.item(), data-dependent shapes) cannot be captured. "
                 f"The error: {type(e).__name__}: {e}") from e
         self._graph = graph
-        self._graph.replay()
-        forget_plans()
-        return self._logits.clone()
+        return self._replay()
 
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         with compiling_for_capture():

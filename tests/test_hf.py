@@ -941,3 +941,16 @@ def test_gpu_captured_decode_step_refuses_bad_tokens_and_an_empty_cache():
                 torch.ones(4, 1, dtype=torch.long, device="cuda"), torch.ones(4, device="cuda")):
         with pytest.raises(ValueError, match=r"tokens must be \[B=4\] integer token ids on cuda"):
             step(bad)
+    # After a prompt and a captured step, reset() empties the cache: the next call is refused until a new prompt.
+    ids, mask = left_padded_prompts(device="cuda", seed=7)
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        for _ in range(3):  # warm-up, capture, replay
+            token = step(token).argmax(-1)
+        # The replays advanced the lengths on the device only: the cache's capacity checks now read the device.
+        assert cache._host_columns is None
+        cache.reset()
+        with pytest.raises(ValueError, match="holds no prompt"):
+            step(token)
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        assert step(token).isfinite().all()
