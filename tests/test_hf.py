@@ -460,6 +460,23 @@ def test_capacity_is_still_checked_without_reading_the_device_each_step():
     assert cache.seq_lens.tolist() == [int(mask[1].sum()) + 3] * 4
 
 
+def test_a_replayed_step_leaves_the_capacity_check_to_the_device():
+    """hf.CapturedDecodeStep's replays advance the lengths on the device and run none of the cache's Python: each
+    replay tells the cache (``_advanced_by_replay``), whose next eager forward then reads the device for its
+    capacity check instead of trusting a host count the replays left behind. The replays are stood in for here by
+    advancing the lengths in place, as the captured graph does."""
+    model = make_model("v3_yarn")
+    ids, mask = left_padded_prompts(seed=12)
+    cache = use_mla(model, batch=4, max_seq_len=PROMPT_LEN + 2)
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        cache.seq_lens.add_(2)  # two replayed steps: row 0 (no padding) now holds PROMPT_LEN + 2 tokens
+        cache._columns.add_(2)
+        cache._advanced_by_replay()
+        with pytest.raises(ValueError, match="more than max_seq_len"):
+            hf.decode_one_token(model, token, cache)
+
+
 # ---------------------------------------------------------------------------------------------- compiled
 
 
