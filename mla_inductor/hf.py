@@ -172,8 +172,9 @@ class CapturedDecodeStep:
     tensor. The graph holds the addresses of the model's weights and of the cache: rebuild it after replacing
     a weight tensor (``load_state_dict`` copies in place and needs nothing) or to use another cache. The
     cache's ``reset``, ``crop``, ``set_length`` and ``reorder_cache`` work between calls (they write in place;
-    after ``reset``, ``prefill`` a new prompt before the next step: a call on an empty cache is refused). As in a compiled step, no capacity check
-    runs: a sequence must not outgrow the cache's ``max_seq_len``.
+    after ``reset``, ``prefill`` a new prompt before the next step: a call on an empty cache is refused). As in a
+    compiled step, no capacity check runs during a replay: a sequence must not outgrow the cache's
+    ``max_seq_len`` (the next eager forward's check reads the lengths from the device).
     """
 
     def __init__(self, model: nn.Module, cache: "PagedMLACache"):
