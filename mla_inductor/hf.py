@@ -36,6 +36,7 @@ from torch import nn
 from mla_inductor._compat import inductor_loaded
 from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
 from mla_inductor.backends import forget_plans
+from mla_inductor.backends._common import plans_shared_in_capture
 from mla_inductor.selection import compiling_for_capture
 
 if TYPE_CHECKING:
@@ -164,7 +165,9 @@ class CapturedDecodeStep:
     Per-layer CUDA graphs (``mode="reduce-overhead"``) make a CUDA-graph tree per layer, and each layer's call
     then costs the host its guards, the tree's checks and a launch (a few hundred µs per layer on some hosts:
     more than the device's work at small batches). Here a step costs one copy of ``tokens``, one graph launch
-    and one copy of the logits, however many layers the model has.
+    and one copy of the logits, however many layers the model has; and its layers share one schedule
+    (``plans_shared_in_capture``), as the calls of a step compiled whole do, where each separately compiled
+    layer would otherwise schedule its own call (a metadata kernel per layer).
 
     The first call runs the step as usual (compiling the layers, for graphs captured as a whole: a backend
     whose plan runs on the host is not chosen) and returns its logits; the second captures the step and
@@ -230,7 +233,7 @@ class CapturedDecodeStep:
         self._tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
         try:
-            with compiling_for_capture(), torch.cuda.graph(graph, stream=self._stream):
+            with compiling_for_capture(), plans_shared_in_capture(), torch.cuda.graph(graph, stream=self._stream):
                 self._logits = decode_one_token(self.model, self._tokens, self.cache)
         except Exception as e:
             self._tokens = self._logits = None

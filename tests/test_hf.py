@@ -948,6 +948,52 @@ def test_gpu_captured_decode_step_agrees_with_plain_steps(make_model, compile_la
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager_layers", "compiled_layers"])
+def test_gpu_captured_decode_step_shares_one_schedule_among_its_layers(compile_layers, monkeypatch):
+    """FlashMLA schedules on the device, once per plan: in a captured step of four layers, the layers after the
+    first over the same lengths take the schedule the capture made (eager layers: one schedule per step; compiled
+    layers: two, the first layer's graph reads the lengths it has just advanced as a buffer of its own), and the
+    replays still agree with plain decode steps. Counts the FlashMLA calls that schedule for themselves."""
+    import mla_inductor.backends.flashmla as fm
+
+    scheduling = []
+    attend_rows = fm.attend_rows
+
+    def counting(*args, **kwargs):
+        scheduling.append(not args[8])  # the plan argument: empty -> the call schedules itself
+        return attend_rows(*args, **kwargs)
+
+    monkeypatch.setattr(fm, "attend_rows", counting)
+
+    def four_layers():
+        model = random_deepseek_model("v3", dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
+                                      **dict(GPU_V3, num_hidden_layers=4))
+        model.generation_config.eos_token_id = None
+        return model
+
+    with mla_inductor.prefer_backends("flashmla"):
+        calls = []
+        step_call = hf.CapturedDecodeStep.__call__
+
+        def recorded(self, tokens):
+            scheduling.clear()
+            out = step_call(self, tokens)
+            calls.append(list(scheduling))
+            return out
+
+        monkeypatch.setattr(hf.CapturedDecodeStep, "__call__", recorded)
+        want, got, plain_cache, graph_cache, step = captured_step_against_plain_steps(four_layers, compile_layers)
+    capture = calls[1]  # the warm-up, the capture, then replays (which run no Python)
+    assert len(capture) == 4, f"FlashMLA calls in the capture: {capture}"
+    assert sum(capture) == (2 if compile_layers else 1), f"calls that scheduled themselves: {capture}"
+    assert all(len(c) == 0 for c in calls[2:])
+    for i in range(len(want)):
+        err = ((got[i] - want[i]).norm() / want[i].norm()).item()
+        assert err < 2e-2, f"step {i}: logits relative error {err:.3g}"
+    assert torch.equal(graph_cache.seq_lens, plain_cache.seq_lens)
+
+
+@pytest.mark.gpu
 def test_gpu_captured_decode_step_refuses_bad_tokens_and_an_empty_cache():
     model = gpu_model()
     cache = use_mla(model, batch=4, max_seq_len=64, page_size=64)

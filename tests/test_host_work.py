@@ -711,6 +711,37 @@ def test_a_stored_plan_is_reused_only_while_its_tensors_are_unchanged():
     assert plans.get("cfg", table, lens, sparse) is None
 
 
+def test_captured_calls_share_only_the_plans_of_their_own_capture():
+    """A call captured in a CUDA graph never takes a plan made outside the capture (its replays must schedule
+    from the lengths they find) and keeps none past it; inside ``plans_shared_in_capture`` the captured calls
+    share the plans made during that scope, which end with it. Calls that are not captured keep their own."""
+    from mla_inductor.backends._common import PlanCache, plans_shared_in_capture
+
+    plans = PlanCache("test_capture_scope")
+    table = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    plans.put("cfg", table, lens, None, "eager plan")
+    assert not plans.keeps(captured=True) and plans.keeps(captured=False)
+    assert plans.get("cfg", table, lens, None, captured=True) is None  # outside a scope: nothing shared
+    plans.put("cfg", table, lens, None, "captured, no scope", captured=True)
+    assert plans.get("cfg", table, lens, None, captured=True) is None
+    with plans_shared_in_capture():
+        assert plans.keeps(captured=True)
+        assert plans.get("cfg", table, lens, None, captured=True) is None  # the eager plan is not the capture's
+        plans.put("cfg", table, lens, None, "captured plan", captured=True)
+        assert plans.get("cfg", table, lens, None, captured=True) == "captured plan"
+        assert plans.get("cfg", table, lens, None) == "eager plan"  # uncaptured calls: their own
+        with plans_shared_in_capture():  # a nested capture starts with nothing
+            assert plans.get("cfg", table, lens, None, captured=True) is None
+        assert plans.get("cfg", table, lens, None, captured=True) == "captured plan"
+        lens.add_(1)  # a write torch sees: the capture's plan no longer fits either
+        assert plans.get("cfg", table, lens, None, captured=True) is None
+        plans.put("cfg", table, lens, None, "captured plan 2", captured=True)
+    assert plans.get("cfg", table, lens, None, captured=True) is None  # ended with the scope
+    with plans_shared_in_capture():
+        assert plans.get("cfg", table, lens, None, captured=True) is None
+
+
 def test_a_memo_starts_over_at_its_bound():
     """What the runtime works out per signature is kept in a Memo: hits are plain dict lookups, and a program
     making new signatures without end (a changing softmax_scale) empties it instead of growing it."""

@@ -15,16 +15,19 @@ rows and pages every kernel needs, and the fp8 query.
   run the kernel on ``kernel_lengths`` and ``clamp_pages`` and are finished by ``finish_empty_rows``.
 - ``quantize_query_fp8``: a query in e4m3 with one scale per tensor, on the device; ``quantize_query_reference``
   the same in plain torch (what the Inductor pass writes into the graph).
-- ``PlanCache``: one plan per step however the step is split (separately compiled layers, eager calls).
+- ``PlanCache``: one plan per step however the step is split (separately compiled layers, eager calls);
+  ``plans_shared_in_capture``: the same among the calls of one captured step.
 
 The cache format of a tensor is ``mla_inductor.cache.cache_format`` (and its dtype ``cache_dtype``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -276,6 +279,10 @@ class PlanCache:
     Not seen: writes that bypass torch's version counter (a CUDA-graph replay writing seq_lens, a foreign
     kernel); code writing lengths that way calls ``forget_plans()`` after each write.
 
+    Calls made while a CUDA graph is captured (``captured=True``) never see these plans: a replay must
+    recompute its schedule from the lengths it finds. Inside ``plans_shared_in_capture()`` they keep plans of
+    their own, made during that capture, for the later calls of the same capture; elsewhere they keep none.
+
     A plan *op* must hand out copies of the stored tensors, never the stored ones: Inductor may reuse the
     memory of an op's output for another buffer once the output's last reader has run.
     ``hits`` / ``misses`` count lookups (tests and benchmarks read them).
@@ -288,12 +295,29 @@ class PlanCache:
         self.misses = 0
         _PLAN_CACHES.add(self)
 
-    def get(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor]):
+    def _store(self, captured: bool) -> Optional[dict]:
+        """Where plans of calls ``captured`` (or not) live: this object's own entries, the innermost
+        ``plans_shared_in_capture`` scope's, or None (a capture outside such a scope keeps nothing)."""
+        if not captured:
+            return self._entries
+        scopes = _capture_scopes()
+        return scopes[-1].setdefault(self.name, {}) if scopes else None
+
+    def keeps(self, captured: bool = False) -> bool:
+        """Whether a plan ``put`` now by a call ``captured`` (or not) would be kept."""
+        return not captured or bool(_capture_scopes())
+
+    def get(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor],
+            captured: bool = False):
         """The plan stored for ``config`` (a hashable static description: shapes, dtypes, scale) if it was
         made from these tensors in their present state, else None. The same tensor objects as stored are
         compared by version counter, address and shape only (``_same_objects_unchanged``: the common case, a
-        step's calls over one block_table / seq_lens); other ones by their whole ``tensor_state``."""
-        entry = self._entries.get(config)
+        step's calls over one block_table / seq_lens); other ones by their whole ``tensor_state``.
+        ``captured``: the call is being captured in a CUDA graph (see the class's docstring)."""
+        store = self._store(captured)
+        if store is None:
+            return None
+        entry = store.get(config)
         if entry is not None:
             state, held, plan, quick = entry
             if (held[1] is seq_lens and held[0] is block_table and held[2] is sparse_indices
@@ -304,11 +328,16 @@ class PlanCache:
         self.misses += 1
         return None
 
-    def put(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor], plan) -> None:
-        """Store ``plan`` for ``config`` as made from these tensors now (replacing the previous one)."""
+    def put(self, config, block_table: Tensor, seq_lens: Tensor, sparse_indices: Optional[Tensor], plan,
+            captured: bool = False) -> None:
+        """Store ``plan`` for ``config`` as made from these tensors now (replacing the previous one); a call
+        ``captured`` outside ``plans_shared_in_capture`` stores nothing."""
+        store = self._store(captured)
+        if store is None:
+            return
         state = (tensor_state(block_table), tensor_state(seq_lens), tensor_state(sparse_indices))
-        self._entries[config] = (state, (block_table, seq_lens, sparse_indices), plan,
-                                 _quick_state(block_table, seq_lens, sparse_indices))
+        store[config] = (state, (block_table, seq_lens, sparse_indices), plan,
+                         _quick_state(block_table, seq_lens, sparse_indices))
 
     def forget(self, config=None) -> None:
         """Drop the plan of ``config``, or every plan."""
@@ -319,6 +348,32 @@ class PlanCache:
 
 
 _PLAN_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+_CAPTURE_SCOPES = threading.local()
+
+
+def _capture_scopes() -> list[dict]:
+    scopes = getattr(_CAPTURE_SCOPES, "stack", None)
+    if scopes is None:
+        scopes = _CAPTURE_SCOPES.stack = []
+    return scopes
+
+
+@contextlib.contextmanager
+def plans_shared_in_capture() -> Iterator[None]:
+    """For code capturing a whole decode step in one CUDA graph (``hf.CapturedDecodeStep``): the calls
+    captured inside share their plans as the calls of one compiled graph do. The first call over a
+    block_table / seq_lens schedules and keeps that schedule for the later ones (with layers compiled one by
+    one, or run eagerly, each call would otherwise schedule for itself: a metadata kernel per layer in every
+    replay). Only plans made during this scope are shared, and each replay remakes them from the lengths it
+    finds before the later calls read them; they are dropped when the scope ends (their memory belongs to
+    the graph's pool from then on). Calls that are not captured are unaffected. The caller must not write
+    block_table / seq_lens between the captured calls in a way torch's version counter does not see."""
+    scopes = _capture_scopes()
+    scopes.append({})
+    try:
+        yield
+    finally:
+        scopes.pop()
 
 
 def forget_plans() -> None:

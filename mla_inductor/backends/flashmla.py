@@ -632,25 +632,36 @@ def decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_
                          mode: Optional[str] = None):
     """``decode_and_plan`` for a call given no plan: it takes the plan ``PLANS`` holds for these tensors (the
     schedule, row counts and kernel tensors: three or four small kernels and the metadata call fewer) or makes
-    one and stores it. While a CUDA graph is captured the call plans inline and stores nothing: its replays
-    must recompute the plan from the lengths they see. Returns ``(out, lse or None)``. ``config`` / ``mode``:
+    one and stores it. While a CUDA graph is captured the call reads and stores only plans made during that
+    capture (``plans_shared_in_capture``; outside it, it plans inline and stores nothing): its replays must
+    recompute the plan from the lengths they see. Returns ``(out, lse or None)``. ``config`` / ``mode``:
     ``eager_plan_config(...)`` and the call's mode, where the caller has them already (eager: per signature)."""
     capturing = being_captured(q_nope)
     config = config or eager_plan_config(q_nope, kv_cache, block_table, sparse_indices)
-    stored = None if capturing else PLANS.get(config, block_table, seq_lens, sparse_indices)
+    stored = PLANS.get(config, block_table, seq_lens, sparse_indices, captured=capturing)
     out, lse, plan = decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
-                                     sparse_indices, stored or [], need_lse, q_scale, mode)
-    if stored is None and not capturing:
-        PLANS.put(config, block_table, seq_lens, sparse_indices, plan)
+                                     sparse_indices, stored or [], need_lse, q_scale, mode,
+                                     keep_plan=PLANS.keeps(capturing))
+    if stored is None:
+        PLANS.put(config, block_table, seq_lens, sparse_indices, plan, captured=capturing)
     return out, lse
 
 
 def run_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices, plan):
     """FlashMLA decode of one layer: (out [T, H, 512] in q's dtype, lse [T, H] fp32, natural log). A compiled
     call given no plan plans inline and keeps nothing: under CUDA graphs (cudagraph trees) a plan stored past
-    the call would be memory of the graph's pool that no output accounts for."""
+    the call would be memory of the graph's pool that no output accounts for. The exception: a call captured
+    inside ``plans_shared_in_capture`` (a step captured whole by its caller) shares the capture's plans."""
+    if not plan and _shares_captured_plans(q_nope):
+        return decode_reusing_plans(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
+                                    sparse_indices)
     return decode_and_plan(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
                            plan, keep_plan=False)[:2]
+
+
+def _shares_captured_plans(q_nope: Tensor) -> bool:
+    """Whether a compiled call given no plan takes its plan from the capture's (``plans_shared_in_capture``)."""
+    return PLANS.keeps(captured=True) and being_captured(q_nope)
 
 
 def decode_quantized_query(q, q_descale, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, sparse_indices,
@@ -725,6 +736,8 @@ def _decode_out(*args) -> Tensor:
     if plan and mode == "dense":
         return _attend_dense(_provider(mode), q_nope, q_pe, kv_cache, block_table.shape[0], seq_lens,
                              softmax_scale, plan)
+    if not plan and _shares_captured_plans(q_nope):  # (see run_decode)
+        return decode_reusing_plans(*args[:8], need_lse=False, mode=mode)[0]
     return decode_and_plan(*args, need_lse=False, mode=mode, keep_plan=False)[0]
 
 
