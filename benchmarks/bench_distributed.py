@@ -16,8 +16,8 @@ Usage (project root):
 (c) torchrun with 2 GPUs (NCCL), same shapes: per layer, one GPU doing all 128 heads over the whole S
     ("1 GPU"), TP=2 with the cache on both GPUs ("TP2 DCP1", 64 heads each), and TP=2 x DCP=2 ("TP2 DCP2",
     64 heads each, half the cache each, collectives included) with each exchange; the collectives alone;
-    KV bytes per GPU; and the DCP step compiled with ``mode="reduce-overhead"`` (CUDA graphs), or the
-    measured reason it cannot be.
+    KV bytes per GPU; and the one-GPU and DCP steps compiled with ``mode="reduce-overhead"`` (CUDA graphs), or
+    the measured reason they cannot be (``--profile``: then the compiled DCP step's kernel table).
 
 Timing. (a): ``triton.testing.do_bench`` median (L2 flushed before each call). (b): a step of ``layers``
 calls, each on its own cache copy (as each layer of a model has its own cache; at least 256 MB in all, so
@@ -392,7 +392,17 @@ def compiled_on_all_ranks(step: Callable, mode: str) -> tuple[Optional[Callable]
     return compiled, "compiled, CUDA graphs"
 
 
-def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters: int, exchanges) -> None:
+def profiled_on_all_ranks(step: Callable, layers: int) -> str:
+    """torch.profiler's kernel table of 3 calls of ``step`` (rank 0's; both ranks run it: the collectives pair up),
+    by device time: where a layer's microseconds go (the local decode, each collective, the merge)."""
+    dist.barrier()
+    table = report.step_profile(step, "cuda", steps=3, rows=20, callers=(), sort_by="device_time_total")
+    dist.barrier()
+    return table
+
+
+def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters: int, exchanges,
+           profile: bool = False) -> None:
     from mla_inductor.distributed import DCPGroup, all_gather, all_to_all, dcp_decode, reduce_scatter_sum
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -458,14 +468,28 @@ def part_c(rep: Report, setup: Setup, batches, contexts, link_gbps: float, iters
         rep.say(f"   KV bytes per GPU per layer: DCP1 {row['kv_bytes_per_gpu']['DCP1'] / 1e6:.1f} MB, "
                 f"DCP2 {row['kv_bytes_per_gpu']['DCP2'] / 1e6:.1f} MB")
         row["compiled"] = {}
+        compile_mode = "default" if setup.smoke else "reduce-overhead"
+        # The one-GPU step compiled the same way: the DCP step's like-for-like baseline.
+        compiled, how = compiled_on_all_ranks(one_gpu, compile_mode)
+        entry = {"status": how}
+        if compiled is not None:
+            entry["us"] = timed_on_all_ranks(setup, compiled, iters) / layers * 1e3
+            how += f": {entry['us']:.1f} us per layer"
+        row["compiled"]["one"] = entry
+        rep.say(f"   compiled 1-GPU step: {how}")
         for x in exchanges:
-            compiled, how = compiled_on_all_ranks(steps[f"TP2 DCP2 {x}"],
-                                                  "default" if setup.smoke else "reduce-overhead")
+            compiled, how = compiled_on_all_ranks(steps[f"TP2 DCP2 {x}"], compile_mode)
             entry = {"status": how}
             if compiled is not None:
                 entry["err_vs_tp2_dcp1"] = rel_err(compiled()[0], want)
                 entry["us"] = timed_on_all_ranks(setup, compiled, iters) / layers * 1e3
                 how += f": {entry['us']:.1f} us per layer, err vs TP2 DCP1 {entry['err_vs_tp2_dcp1']:.1e}"
+                if isinstance(row["compiled"]["one"].get("us"), float):
+                    how += f", speed-up over the compiled 1-GPU step {row['compiled']['one']['us'] / entry['us']:.2f}x"
+                if profile and not setup.smoke:
+                    table = profiled_on_all_ranks(compiled, layers)
+                    rep.say(f"   --- torch.profiler, 3 compiled DCP steps ({x}, {layers} layers each), rank 0, by "
+                            f"device time\n{table}")
             row["compiled"][x] = entry
             rep.say(f"   compiled DCP step, {x}: {how}")
         rows.append(row)
@@ -490,6 +514,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="(c): timed iterations per step")
     parser.add_argument("--exchanges", default="ag_rs,a2a")
     parser.add_argument("--parts", default="a,b,c")
+    parser.add_argument("--profile", action="store_true",
+                        help="(c): after timing each compiled DCP step, torch.profiler's kernel table of 3 of its steps "
+                             "(rank 0's, by device time; the profiler slows what follows it)")
     parser.add_argument("--smoke", action="store_true",
                         help="toy sizes on the CPU (gloo under torchrun): checks the script, times mean nothing")
     args = parser.parse_args(argv)
@@ -540,7 +567,7 @@ def main(argv=None) -> int:
                 rep.results["skipped"]["c"] = reason
             else:
                 dist.barrier()
-                part_c(rep, setup, batches, contexts, args.link_gbps, args.iters, exchanges)
+                part_c(rep, setup, batches, contexts, args.link_gbps, args.iters, exchanges, args.profile)
     except Exception:  # noqa: BLE001 - what ran is still written, then the error goes on
         rep.say("FAILED:\n" + traceback.format_exc())
         rep.results["failed"] = traceback.format_exc()
