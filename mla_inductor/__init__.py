@@ -16,7 +16,7 @@ from mla_inductor.cache import (
     register_host_lengths,
     unpack_fp8_ds_mla,
 )
-from mla_inductor.backends import forget_plans
+from mla_inductor.backends import forget_plans, plans_shared_in_capture
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.merge import merge_attn_states, merge_attn_states_n
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
@@ -57,6 +57,7 @@ __all__ = [
     "paged_decode",
     "paged_decode_reference",
     "paged_decode_with_lse",
+    "plans_shared_in_capture",
     "prefer_backends",
     "register_host_lengths",
     "select_backend",

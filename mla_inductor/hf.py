@@ -35,8 +35,7 @@ from torch import nn
 
 from mla_inductor._compat import inductor_loaded
 from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
-from mla_inductor.backends import forget_plans
-from mla_inductor.backends._common import plans_shared_in_capture
+from mla_inductor.backends import forget_plans, plans_shared_in_capture
 from mla_inductor.selection import compiling_for_capture
 
 if TYPE_CHECKING:

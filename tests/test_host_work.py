@@ -715,7 +715,8 @@ def test_captured_calls_share_only_the_plans_of_their_own_capture():
     """A call captured in a CUDA graph never takes a plan made outside the capture (its replays must schedule
     from the lengths they find) and keeps none past it; inside ``plans_shared_in_capture`` the captured calls
     share the plans made during that scope, which end with it. Calls that are not captured keep their own."""
-    from mla_inductor.backends._common import PlanCache, plans_shared_in_capture
+    from mla_inductor import plans_shared_in_capture  # the public name of backends._common's scope
+    from mla_inductor.backends._common import PlanCache
 
     plans = PlanCache("test_capture_scope")
     table = torch.arange(6, dtype=torch.int32).reshape(2, 3)

@@ -186,6 +186,17 @@ def forget_plans() -> None:
     HOST_LENGTHS.clear()
 
 
+def plans_shared_in_capture():
+    """A context manager for code that captures a whole decode step in one CUDA graph of its own
+    (``torch.cuda.graph``) around layers compiled one by one or run eagerly: inside it, the captured calls over
+    the same block_table / seq_lens share one plan (FlashMLA: one schedule per step instead of one per layer), as
+    the calls of a step compiled whole do. Enter it around the capture only (``hf.CapturedDecodeStep`` does);
+    calls that are not captured are unaffected."""
+    from mla_inductor.backends._common import plans_shared_in_capture as scope
+
+    return scope()
+
+
 def registry_generation() -> int:
     """A number that changes whenever a backend is registered or unregistered."""
     return _GENERATION[0]
