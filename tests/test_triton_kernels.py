@@ -189,6 +189,9 @@ def test_mtp_causal_q_gt_1():
 def test_b1_long_many_splits():
     c = make_case(B=1, Q=1, H=16, L=256, R=32, page=16, seq_lens=[200], seed=5)
     check(c, config=cfg(bn=32, ns=5))
+    # More splits than the merge takes per step (16), some of them past the sequence's 13 tiles (empty), and
+    # more columns than one merge program writes (128).
+    check(c, config=cfg(bn=16, ns=20))
     check(c)  # default config
 
 
@@ -372,6 +375,8 @@ def test_split_heuristic():
     # More work per row than SMs can hide: no split. Few rows: split up to fill the machine.
     assert tk.choose_splits(rows=2048, head_blocks=2, kv_len=4096, block_n=32, slots=132) == 1
     assert tk.choose_splits(rows=1, head_blocks=1, kv_len=4096, block_n=32, slots=132) > 16
+    # One long sequence in one head block: up to 128 splits, which fill 128 of 132 SMs.
+    assert tk.choose_splits(rows=1, head_blocks=1, kv_len=65536, block_n=64, slots=132) == 128
     ns = tk.choose_splits(rows=64, head_blocks=1, kv_len=4096, block_n=32, slots=264)
     assert 2 <= ns <= 8
 

@@ -306,28 +306,60 @@ if _HAVE_TRITON:
             tl.store(PLSE + ph, lse2, mask=hmask)
 
     @triton.jit
-    def _mla_merge_kernel(POUT, PLSE, OUT, LSE, NUM_SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr):
-        # One program per (row, head): combine the split partials by their log-sum-exp weights.
+    def _mla_merge_kernel(POUT, PLSE, OUT, LSE, NUM_SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_L: tl.constexpr, ONE_STEP: tl.constexpr):
+        # One program per (row, head, BLOCK_L output columns): combine the split partials by their log-sum-exp
+        # weights; ONE_STEP (NUM_SPLITS <= BLOCK_S): all splits at once, else BLOCK_S splits per step of a loop.
+        # (A program holding every split's whole row at once spilled its registers from 64 splits up, and one
+        # program per (row, head) left most SMs idle at one sequence.)
         rh = tl.program_id(0).to(tl.int64)
+        col0 = tl.program_id(1) * BLOCK_L
         offs_s = tl.arange(0, BLOCK_S)
-        smask = offs_s < NUM_SPLITS
-        lse = tl.load(PLSE + rh * NUM_SPLITS + offs_s, mask=smask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m_safe)  # 0 for empty splits
-        tot = tl.sum(w, 0)
-        empty = tot == 0.0
-        wn = w / tl.where(empty, 1.0, tot)
-        offs_l = tl.arange(0, L)
-        part = tl.load(POUT + (rh * NUM_SPLITS + offs_s[:, None]) * L + offs_l[None, :], mask=smask[:, None],
-                       other=0.0)
-        o = tl.sum(part * wn[:, None], 0)
+        offs_l = col0 + tl.arange(0, BLOCK_L)
+        if ONE_STEP:
+            smask = offs_s < NUM_SPLITS
+            lse = tl.load(PLSE + rh * NUM_SPLITS + offs_s, mask=smask, other=float("-inf"))
+            m = tl.max(lse, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp2(lse - m_safe)  # 0 for empty splits
+            tot = tl.sum(w, 0)
+            empty = tot == 0.0
+            wn = w / tl.where(empty, 1.0, tot)
+            part = tl.load(POUT + (rh * NUM_SPLITS + offs_s[:, None]) * L + offs_l[None, :], mask=smask[:, None],
+                           other=0.0)
+            o = tl.sum(part * wn[:, None], 0)
+        else:
+            m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+            for s0 in range(0, NUM_SPLITS, BLOCK_S):
+                lse = tl.load(PLSE + rh * NUM_SPLITS + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS,
+                              other=float("-inf"))
+                m = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            tot = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+            o = tl.zeros([BLOCK_L], tl.float32)
+            for s0 in range(0, NUM_SPLITS, BLOCK_S):
+                smask = s0 + offs_s < NUM_SPLITS
+                lse = tl.load(PLSE + rh * NUM_SPLITS + s0 + offs_s, mask=smask, other=float("-inf"))
+                w = tl.exp2(lse - m_safe)  # 0 for empty splits
+                tot += tl.sum(w, 0)
+                part = tl.load(POUT + (rh * NUM_SPLITS + s0 + offs_s[:, None]) * L + offs_l[None, :],
+                               mask=smask[:, None], other=0.0)
+                o += tl.sum(part * w[:, None], 0)
+            empty = tot == 0.0
+            o = o / tl.where(empty, 1.0, tot)
         tl.store(OUT + rh * L + offs_l, o.to(OUT.dtype.element_ty))
-        lse_out = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
-        tl.store(LSE + rh, lse_out)
+        if col0 == 0:
+            lse_out = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
+            tl.store(LSE + rh, lse_out)
 
 
 KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
+# The split merge's tile: splits per step of its loop, output columns per program below MERGE_WHOLE_ROWS_FROM
+# (row, head) pairs. H200, merge alone, old (one program per pair, every split at once) vs new: T*H=64 with 128
+# splits 82.6 -> 20.0 us, T*H=16 with 256 splits 173.2 -> 29.7 (the old one spilled its registers); with 128 columns
+# per program at T*H=4096 (8 splits) 26.0 -> 53.2, hence whole rows there; and up to 16 splits all at once, as the old
+# one did (the loop over splits read 1.08-1.13x its time at T*H=4096-16384; docs/triton_notes.md).
+MERGE_BLOCK_S, MERGE_BLOCK_L, MERGE_WHOLE_ROWS_FROM = 16, 128, 512
 
 
 class DecodeConfig:
@@ -380,13 +412,15 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots: int, max_splits: int = 64) -> int:
+def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots: int, max_splits: int = 128) -> int:
     """Split count from a simple wave model.
 
     ``slots`` is how many programs the GPU runs at once. Time ~ waves * (tiles per split + c), where c
     stands for the per-program fixed cost (loading Q, writing a partial); the merge pass adds a little.
     Of the counts within 3% of the best estimate, the smallest wins: splitting only pays when it fills
-    SMs that would otherwise idle.
+    SMs that would otherwise idle. At most ``max_splits``: 128 lets one long sequence at 64 heads per program
+    fill an H100's or H200's 132 SMs (H200, B=1 H=64 S=64k: 60.2 -> 49.8 us against 64 splits; 256 splits
+    were slower than 128 at 16 heads, where the per-program costs the model leaves out add up).
     """
     tiles = max(1, -(-kv_len // block_n))
     base = max(1, rows * head_blocks)
@@ -775,8 +809,12 @@ class DecodeLaunch:
                                                                            num_stages=cfg.num_stages))
         self.merge = None
         if ns > 1:
-            self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H,),
-                                      (ns, L, _next_pow2(ns)), dict(num_warps=4))
+            # Few (row, head) pairs: each program merges BLOCK_L columns, so that more SMs share the work;
+            # many: whole rows (4x the programs cost more than they spread: 2x at T*H = 4096).
+            block_l = L if T * H >= MERGE_WHOLE_ROWS_FROM else min(L, MERGE_BLOCK_L)
+            block_s = min(_next_pow2(ns), MERGE_BLOCK_S)
+            self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H, L // block_l),
+                                      (ns, L, block_s, block_l, ns <= block_s), dict(num_warps=4))
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
                  lse=None, keep_workspace: bool = False, need_lse: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
