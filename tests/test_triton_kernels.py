@@ -371,6 +371,25 @@ def test_value_errors():
         triton_paged_decode(**dict(c, block_table=c["block_table"].long()))
 
 
+@cpu_only
+@pytest.mark.parametrize("B,H,ns,grid,one_step", [
+    (1, 16, 20, (16, 2, 1), False),   # few (row, head) pairs: 128 columns per program, 16 splits per step
+    (1, 16, 5, (16, 2, 1), True),     # up to 16 splits in one step
+    (32, 16, 2, (512, 1, 1), True),   # from 512 pairs on: whole rows (the old merge's code where ns <= 16)
+    (32, 16, 20, (512, 1, 1), False),
+])
+def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, grid, one_step):
+    """The merge's launch shape: more programs only where few (row, head) pairs would leave SMs idle (at many
+    pairs 128-column programs cost 2x on an H200), and a loop over splits only beyond 16 (one step spilled
+    from 64 splits up; docs/triton_notes.md, "The split merge")."""
+    c = make_case(B=B, Q=1, H=H, L=256, R=32, page=16, seq_lens=[40] * B, seed=9)
+    launch = tk.DecodeLaunch(**c, config=cfg(bn=16, ns=ns))
+    assert launch.merge.grid == grid
+    L, block_s, block_l, one = launch.merge.static_args[1:]
+    assert (L, block_s, block_l, one) == (256, min(16, tk._next_pow2(ns)), 128 if grid[1] == 2 else 256, one_step)
+    check(c, config=cfg(bn=16, ns=ns))
+
+
 def test_split_heuristic():
     # More work per row than SMs can hide: no split. Few rows: split up to fill the machine.
     assert tk.choose_splits(rows=2048, head_blocks=2, kv_len=4096, block_n=32, slots=132) == 1
