@@ -255,3 +255,67 @@ def test_gluon_config_at_32_heads_and_an_unknown_kernel(monkeypatch):
     assert (wide.block_h, wide.kernel) == (dh.HEADS_PER_PROGRAM, "gluon_sm90")  # one, half of it empty
     with pytest.raises(ValueError, match="kernel"):
         dk.gluon_config("tl_dot", 128, 32, 4096, torch.device("cuda", 0))
+
+
+# The split merge's launch shapes (DecodeLaunch._use): (BLOCK_S, BLOCK_L, ONE_STEP) at L = 512.
+MERGE_SHAPES = [(16, 128, True), (16, 128, False), (16, 512, True), (16, 512, False), (2, 512, True)]
+
+
+def _merge_spills(shapes=MERGE_SHAPES) -> dict:
+    """ptxas's spill bytes for the split merge compiled for SM90 in each launch shape ({shape: bytes or error})."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    sig = {"POUT": "*fp32", "PLSE": "*fp32", "OUT": "*bf16", "LSE": "*fp32", "NUM_SPLITS": "i32",
+           "L": "constexpr", "BLOCK_S": "constexpr", "BLOCK_L": "constexpr", "ONE_STEP": "constexpr"}
+    report = {}
+    for block_s, block_l, one_step in shapes:
+        key = f"{block_s}-{block_l}-{one_step}"
+        try:
+            const = dict(L=512, BLOCK_S=block_s, BLOCK_L=block_l, ONE_STEP=one_step)
+            k = triton.compile(ASTSource(dk._mla_merge_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=4))
+            with tempfile.TemporaryDirectory() as d:
+                ptx = os.path.join(d, "merge.ptx")
+                with open(ptx, "w") as f:
+                    f.write(k.asm["ptx"])
+                done = subprocess.run([_ptxas_for_sm90(get_ptxas), "-arch=sm_90a", "-v", ptx, "-o",
+                                       os.path.join(d, "m.o")], capture_output=True, text=True)
+            spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+            report[key] = spills[0] if done.returncode == 0 and spills else f"ptxas: {done.stderr[-500:]}"
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
+            report[key] = f"{type(e).__name__}: {str(e)[:1000]}"
+    return report
+
+
+def _ptxas_for_sm90(get_ptxas) -> str:
+    """The ptxas Triton compiles SM90 code with: ``get_ptxas(arch)`` from Triton 3.6 on, ``get_ptxas()`` in 3.5."""
+    try:
+        return get_ptxas(90).path
+    except TypeError:
+        return get_ptxas().path
+
+
+def _merge_spills_in_a_process(shapes) -> dict:
+    """``_merge_spills(shapes)`` in a process without the interpreter (under which Triton compiles nothing)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_decode_hopper as t; "
+            f"print('REPORT' + json.dumps(t._merge_spills({shapes!r})))")
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("REPORT")), None)
+    assert line is not None, f"the compile process failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(line[len("REPORT"):])
+
+
+def test_the_split_merge_compiles_for_sm90_without_spilling():
+    # The merge used to hold every split's whole row at once, which spilled at 128 splits (docs/triton_notes.md,
+    # "The split merge"); the last shape is that old way, so the check itself is seen to catch a spill.
+    report = _merge_spills_in_a_process(MERGE_SHAPES + [(128, 512, True)])
+    old_way = report.pop("128-512-True")
+    assert report == {f"{s}-{c}-{o}": 0 for s, c, o in MERGE_SHAPES}, report
+    assert isinstance(old_way, int) and old_way > 0, old_way
