@@ -381,7 +381,7 @@ def test_value_errors():
 def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, grid, one_step):
     """The merge's launch shape: more programs only where few (row, head) pairs would leave SMs idle (at many
     pairs 128-column programs cost 2x on an H200), and a loop over splits only beyond 16 (one step spilled
-    from 64 splits up; docs/triton_notes.md, "The split merge")."""
+    at 128 splits; docs/triton_notes.md, "The split merge")."""
     c = make_case(B=B, Q=1, H=H, L=256, R=32, page=16, seq_lens=[40] * B, seed=9)
     launch = tk.DecodeLaunch(**c, config=cfg(bn=16, ns=ns))
     assert launch.merge.grid == grid

@@ -310,7 +310,7 @@ if _HAVE_TRITON:
                           BLOCK_L: tl.constexpr, ONE_STEP: tl.constexpr):
         # One program per (row, head, BLOCK_L output columns): combine the split partials by their log-sum-exp
         # weights; ONE_STEP (NUM_SPLITS <= BLOCK_S): all splits at once, else BLOCK_S splits per step of a loop.
-        # (A program holding every split's whole row at once spilled its registers from 64 splits up, and one
+        # (A program holding every split's whole row at once spilled its registers at 128 splits, and one
         # program per (row, head) left most SMs idle at one sequence.)
         rh = tl.program_id(0).to(tl.int64)
         col0 = tl.program_id(1) * BLOCK_L
