@@ -81,18 +81,22 @@ def _compile_all() -> dict:
     return report
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    # The CPU suite runs Triton's interpreter (TRITON_INTERPRET=1), under which Gluon cannot compile: compile
-    # in a process of its own without it.
+def _in_a_compiling_process(call: str):
+    """The JSON result of ``call`` (an expression over this module, as ``t``) evaluated in a process of its own
+    without Triton's interpreter: the CPU suite runs it (TRITON_INTERPRET=1), under which nothing compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_decode_hopper as t; "
-            "print('REPORT' + json.dumps(t._compile_all()))")
+            f"print('REPORT' + json.dumps({call}))")
     done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
                           text=True, timeout=600)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("REPORT")), None)
     assert line is not None, f"the compile process failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(line[len("REPORT"):])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return _in_a_compiling_process("t._compile_all()")
 
 
 @needs_gluon
@@ -300,22 +304,10 @@ def _ptxas_for_sm90(get_ptxas) -> str:
         return get_ptxas().path
 
 
-def _merge_spills_in_a_process(shapes) -> dict:
-    """``_merge_spills(shapes)`` in a process without the interpreter (under which Triton compiles nothing)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_decode_hopper as t; "
-            f"print('REPORT' + json.dumps(t._merge_spills({shapes!r})))")
-    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("REPORT")), None)
-    assert line is not None, f"the compile process failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return json.loads(line[len("REPORT"):])
-
-
 def test_the_split_merge_compiles_for_sm90_without_spilling():
     # The merge used to hold every split's whole row at once, which spilled at 128 splits (docs/triton_notes.md,
     # "The split merge"); the last shape is that old way, so the check itself is seen to catch a spill.
-    report = _merge_spills_in_a_process(MERGE_SHAPES + [(128, 512, True)])
+    report = _in_a_compiling_process(f"t._merge_spills({MERGE_SHAPES + [(128, 512, True)]!r})")
     old_way = report.pop("128-512-True")
     assert report == {f"{s}-{c}-{o}": 0 for s, c, o in MERGE_SHAPES}, report
     assert isinstance(old_way, int) and old_way > 0, old_way
