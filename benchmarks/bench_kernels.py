@@ -2,11 +2,12 @@
 
 Rows ``triton_*`` are our default path (on an SM90 GPU the Gluon kernel where it covers the call, else the
 ``tl.dot`` kernel); rows ``tldot_*`` force the ``tl.dot`` kernel (what GPUs other than SM90 run) where the
-two differ; on SM90, row ``wide_bf16`` forces the 64-head Gluon kernel where the default is the ``tl.dot`` kernel
-(bf16 at H <= 16: whether the Gluon kernel should take those calls too; fp8 calls on SM90 all run a Gluon kernel).
+two differ; on SM90, rows ``wide_*`` force the 64-head Gluon kernel where the default is another kernel (at
+H <= 16: the ``tl.dot`` kernel for bf16, the 16-head Gluon variant for fp8 caches): whether it should take those
+calls too.
 
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
-           [--only=flashmla,...] [--out DIR]
+           [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
@@ -65,8 +66,8 @@ FORCED_GLUON = {"wide": "gluon_sm90"}  # a row prefix -> the Gluon kernel it for
 def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
     """``config`` as given; for "tldot" the default launch configuration on the ``tl.dot`` kernel (SameKernel where
     the default already is the tl.dot kernel); for "wide" (FORCED_GLUON) the Gluon kernel of that name at its own
-    tiling, on calls whose default is the tl.dot kernel (SameKernel elsewhere, off SM90, and where that Gluon
-    kernel does not cover the call): whether a Gluon kernel should take them."""
+    tiling, on calls whose default is another kernel (SameKernel where it is that one, off SM90, and where that
+    Gluon kernel does not cover the call): whether it should take them."""
     if config not in ("tldot", *FORCED_GLUON):
         return config
     from mla_inductor.kernels import decode
@@ -81,8 +82,8 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
             raise SameKernel("the default path already runs the tl.dot kernel here")
         return default.fallback
     kernel = FORCED_GLUON[config]
-    if default.config.kernel != "tl_dot" or not decode._hopper_kernel_runs_on(qn.device):
-        raise SameKernel("a Gluon kernel is forced only where the default is the tl.dot kernel, on SM90")
+    if default.config.kernel == kernel or not decode._hopper_kernel_runs_on(qn.device):
+        raise SameKernel(f"{kernel} is forced only where the default is another kernel, on SM90")
     kv_len = sparse_indices.shape[1] if sparse_indices is not None else c["block_table"].shape[1] * cache.shape[1]
     forced = decode.gluon_config(kernel, qn.shape[0], qn.shape[1], kv_len, qn.device)
     if launch(forced).config.kernel != kernel:
@@ -139,7 +140,8 @@ def _failed(label, name, e) -> str:
     return f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}"
 
 
-OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds", "wide_bf16")
+OURS = ("triton_bf16", "triton_fp8", "triton_ds", "tldot_bf16", "tldot_fp8", "tldot_ds", "wide_bf16", "wide_fp8",
+        "wide_ds")
 OURS_SPARSE = ("triton_sparse_bf16", "triton_sparse_ds", "tldot_sparse_bf16", "tldot_sparse_ds")
 
 
@@ -149,7 +151,7 @@ def _forcing(name: str):
     return prefix if prefix in ("tldot", *FORCED_GLUON) else None
 
 
-def run_dense(cfgs, peer_names, rows, results):
+def run_dense(cfgs, peer_names, rows, results, ours=OURS):
     broken = set()
     for cfg in cfgs:
         varlen = cfg[0] == "var"
@@ -159,7 +161,7 @@ def run_dense(cfgs, peer_names, rows, results):
         tokens = int(c["lens"].sum())
         label = f"{'var' if varlen else ''}B={B:<4} H={H:<4} S={S:<6}"
         flops = 2 * tokens * H * (D_CKV + D_PE + D_CKV)
-        for name in list(OURS) + list(peer_names):
+        for name in list(ours) + list(peer_names):
             if name in broken:
                 continue
             try:
@@ -188,8 +190,8 @@ def run_dense(cfgs, peer_names, rows, results):
             rows.append(row)
 
 
-def run_sparse(peer_names, rows, results):
-    for B, H, S, topk in pm.SPARSE:
+def run_sparse(peer_names, rows, results, cases=pm.SPARSE):
+    for B, H, S, topk in cases:
         c = pm.sparse_case(B, H, S, topk)
         label = f"sparse B={B:<4} H={H:<4} S={S:<6} topk={topk}"
         flops = 2 * B * topk * H * (D_CKV + D_PE + D_CKV)
@@ -371,6 +373,10 @@ def main(argv=None):
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return
+    ours = next((a.split("=", 1)[1].split(",") for a in argv if a.startswith("--ours=")), OURS)
+    unknown = sorted(set(ours) - set(OURS))
+    if unknown:
+        raise SystemExit(f"--ours: unknown row(s) {unknown}; expected names among {list(OURS)}")
     report.require_gpu("bench_kernels.py")
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv:
@@ -393,9 +399,13 @@ def main(argv=None):
         if a.startswith("--cases="):  # a subset of the dense cases, e.g. 128x16x4096,32x16x4096
             cases = [tuple(int(v) for v in case.split("x")) for case in a.split("=", 1)[1].split(",")]
     if "--no-dense" not in argv:
-        run_dense(cases, peer_names, rows, results)
+        run_dense(cases, peer_names, rows, results, ours)
+    sparse_cases = pm.SPARSE
+    for a in argv:
+        if a.startswith("--sparse-cases="):  # e.g. 32x16x16384x2048 (B x H x S x top-k)
+            sparse_cases = [tuple(int(v) for v in case.split("x")) for case in a.split("=", 1)[1].split(",")]
     if "--no-sparse" not in argv:
-        run_sparse(sparse_peers, rows, results)
+        run_sparse(sparse_peers, rows, results, sparse_cases)
     checks = targets(results)
     rows += checks
     print("\n".join(["", "# summary"] + rows), flush=True)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_kernels.py's forced rows (``tldot_*``, ``wide_bf16``): which calls get one and with what
+"""benchmarks/bench_kernels.py's forced rows (``tldot_*``, ``wide_*``): which calls get one and with what
 configuration, decided on the host (the timings need a GPU)."""
 
 import pytest
@@ -22,14 +22,21 @@ def fresh_choices():
     dk._choose_config_cached.cache_clear()
 
 
-def _call(H, fp8=True):
+def _call(H, fp8=True, table_width=2):
+    """Four query rows over a cache of 8 pages of 16; ``table_width`` pages per block-table row (the kernel's
+    host-side bound on the keys: a wide table makes a call as large as choose_config sees it)."""
     g = torch.Generator().manual_seed(0)
     qn = torch.randn(4, H, 512, generator=g, dtype=torch.float32).to(torch.bfloat16)
     qp = torch.randn(4, H, 64, generator=g, dtype=torch.float32).to(torch.bfloat16)
     cache = torch.randn(8, 16, 576, generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
-    c = dict(block_table=torch.arange(8, dtype=torch.int32).reshape(4, 2),
-             lens=torch.tensor([20, 30, 5, 32], dtype=torch.int32), scale=0.1)
+    table = torch.arange(4 * table_width, dtype=torch.int32).reshape(4, table_width) % 8
+    c = dict(block_table=table, lens=torch.tensor([20, 30, 5, 32], dtype=torch.int32), scale=0.1)
     return qn, qp, cache, c, torch.ones(1)
+
+
+# Enough pages per row that 4 rows exceed the (query row, key) pairs up to which bf16 at 16 heads runs the wide
+# kernel by default.
+_MANY_KEYS = dk.WIDE_FEW_HEADS_MAX_KEYS // (4 * 16) + 1
 
 
 @pytest.mark.parametrize("mode", ["tldot", "wide"])
@@ -39,21 +46,31 @@ def test_no_forced_row_where_it_would_time_the_default_or_cannot_run(bench, mode
         bench._forced(mode, *_call(16, fp8=False), None)
 
 
-def test_the_wide_kernel_forced_on_a_16_head_bf16_call_gets_its_own_tiling(bench, monkeypatch):
-    # As on an SM90 GPU: bf16 at 16 heads runs the tl.dot kernel by default; the forced row takes the 64-head
-    # Gluon kernel at its own tiling.
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_wide_kernel_forced_on_a_16_head_call_gets_its_own_tiling(bench, monkeypatch, fp8):
+    # As on an SM90 GPU: at 16 heads a large bf16 call runs the tl.dot kernel by default and fp8 caches the 16-head
+    # Gluon variant; the forced row takes the 64-head Gluon kernel at its own tiling.
     monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
-    cfg = bench._forced("wide", *_call(16, fp8=False), None)
+    qn, qp, cache, c, kv_scale = _call(16, fp8=fp8, table_width=2 if fp8 else _MANY_KEYS)
+    default = dk.DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, None).config
+    assert default.kernel == ("gluon_sm90_narrow" if fp8 else "tl_dot")
+    cfg = bench._forced("wide", qn, qp, cache, c, kv_scale, None)
     assert (cfg.kernel, cfg.block_h) == ("gluon_sm90", 64)
 
 
-@pytest.mark.parametrize("H,fp8", [(32, True), (32, False), (16, True)])
-def test_no_wide_row_where_the_default_already_is_a_gluon_kernel(bench, monkeypatch, H, fp8):
-    # As on an SM90 GPU: from 17 heads up every format, and fp8 at 16 heads (the 16-head variant), already runs a
-    # Gluon kernel by default.
+@pytest.mark.parametrize("H,fp8", [(32, False), (32, True), (16, False)])
+def test_no_wide_row_where_the_default_already_is_the_wide_kernel(bench, monkeypatch, H, fp8):
+    # As on an SM90 GPU: from 17 heads up every format, and a small bf16 call at 16 heads, already runs the 64-head
+    # Gluon kernel by default; there the tl.dot row is the other kernel.
     monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
     with pytest.raises(bench.SameKernel):
         bench._forced("wide", *_call(H, fp8=fp8), None)
+    assert bench._forced("tldot", *_call(H, fp8=fp8), None).kernel == "tl_dot"
+
+
+def test_an_unknown_row_name_is_refused(bench):
+    with pytest.raises(SystemExit, match="--ours: unknown row"):
+        bench.main(["--ours=triton_bf16,wide_fp4", "--no-sparse"])
 
 
 def test_the_default_config_is_passed_through(bench):

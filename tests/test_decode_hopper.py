@@ -187,12 +187,13 @@ def test_which_calls_the_narrow_gluon_kernel_covers(kv, mode, stride, expected):
                                                 (128, dk._KV_DS, "gluon_sm90"), (32, dk._KV_PLAIN, "gluon_sm90"),
                                                 (16, dk._KV_FP8, "gluon_sm90_narrow"),
                                                 (16, dk._KV_DS, "gluon_sm90_narrow"), (8, dk._KV_FP8, "gluon_sm90_narrow"),
-                                                (16, dk._KV_PLAIN, "tl_dot"), (32, dk._KV_FP8, "gluon_sm90"),
+                                                (16, dk._KV_PLAIN, "gluon_sm90"), (32, dk._KV_FP8, "gluon_sm90"),
                                                 (17, dk._KV_DS, "gluon_sm90")])
 def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
     # What choose_config gives on an SM90 GPU with Gluon, seen from a CPU machine: the Gluon kernel at 64 heads
     # per program from 17 heads up, at the tl.dot kernel's 64-head tiling, which must be the Gluon kernel's default
-    # tiling; the 16-head variant for fp8 caches at 16 heads or fewer.
+    # tiling; the 16-head variant for fp8 caches at 16 heads or fewer; 16-bit caches at 16 heads the 64-head kernel
+    # at this size (8 rows x 4096 keys).
     monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
     monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
     cfg = dk._choose_config_cached.__wrapped__(8, H, 4096, kv_mode, "cuda", 0)
@@ -203,6 +204,24 @@ def test_default_config_on_an_sm90_gpu(monkeypatch, H, kv_mode, expected):
     if expected == "gluon_sm90_narrow":
         assert (cfg.block_h, cfg.block_n, cfg.num_warps) == (dh.NARROW_BLOCK_H, dh.NARROW_BLOCK_N,
                                                              dh.NARROW_NUM_WARPS)
+
+
+@pytest.mark.parametrize("T,kv_len,expected", [(1, 4096, "gluon_sm90"), (128, 4096, "gluon_sm90"),
+                                               (16, 32768, "gluon_sm90"), (32, 32768, "tl_dot"),
+                                               (128, 4097, "tl_dot"), (1, 1 << 20, "tl_dot")])
+@pytest.mark.parametrize("H", [16, 8])
+def test_few_heads_on_a_16_bit_cache_take_the_wide_kernel_up_to_a_size(monkeypatch, T, kv_len, expected, H):
+    # Dense bf16/fp16 at 16 heads or fewer: the 64-head Gluon kernel up to 2^19 (query row, key) pairs, then the
+    # tl.dot kernel at its own 16-head tiling (at the HBM floor there, two programs per SM). fp8 caches keep the
+    # narrow kernel.
+    monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
+    cfg = dk._choose_config_cached.__wrapped__(T, H, kv_len, dk._KV_PLAIN, "cuda", 0)
+    assert cfg.kernel == expected
+    assert cfg.block_h == (dh.HEADS_PER_PROGRAM if expected == "gluon_sm90" else 16)
+    assert dk._choose_config_cached.__wrapped__(T, H, kv_len, dk._KV_FP8, "cuda", 0).kernel == "gluon_sm90_narrow"
+    # Sparse calls (kv_len is then the top-k) keep the tl.dot kernel at any size.
+    assert dk._choose_config_cached.__wrapped__(T, H, kv_len, dk._KV_PLAIN, "cuda", 0, True).kernel == "tl_dot"
 
 
 def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_own(monkeypatch):

@@ -501,7 +501,7 @@ def poison_unread(case):
 @needs_sm90
 @pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("same", torch.float16), ("fp8", "fp8"),
                                       ("ds", "fp8"), ("ds", torch.float16)])  # (fp16 q: its rope part goes bf16)
-@pytest.mark.parametrize("H", [40, 128])
+@pytest.mark.parametrize("H", [16, 40, 128])  # (16: the default for small dense 16-bit calls, 48 rows empty)
 @pytest.mark.parametrize("tiling", [(64, 2), (32, 3)])
 @pytest.mark.parametrize("page,Q,ns", [(64, 1, 1), (7, 2, 3), (1, 1, 2), (16, 4, 1)])
 def test_gpu_hopper_kernel(kv, dtype, H, tiling, page, Q, ns):
@@ -532,8 +532,20 @@ def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
         poison_unread(h32)
         assert tk.DecodeLaunch(**h32).config.kernel == "gluon_sm90"
         check(h32, tol=TOL[kv if kv != "same" else dtype])
-    small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], seed=8)
-    assert tk.DecodeLaunch(**small).config.kernel == "tl_dot"
+    for dtype, seed in ((torch.bfloat16, 8), (torch.float16, 9)):
+        # 16 heads on a 16-bit cache, few (row, key) pairs: the 64-head kernel, 48 of its 64 rows empty; many: the
+        # tl.dot kernel.
+        small = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], dtype=dtype, seed=seed)
+        poison_unread(small)
+        assert tk.DecodeLaunch(**small).config.kernel == "gluon_sm90"
+        check(small, tol=TOL[dtype])
+        # Sparse calls at 16 heads keep the tl.dot kernel.
+        assert tk.DecodeLaunch(**small, sparse_indices=_sparse_indices(small, topk=256, seed=seed)).config.kernel \
+            == "tl_dot"
+    many = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 270000], seed=10)
+    poison_unread(many)
+    assert tk.DecodeLaunch(**many).config.kernel == "tl_dot"
+    check(many)
     small_fp8 = make_case(B=2, Q=1, H=16, L=512, R=64, page=64, seq_lens=[300, 4000], dtype="fp8", kv="fp8", seed=8)
     poison_unread(small_fp8)
     assert tk.DecodeLaunch(**small_fp8).config.kernel == "gluon_sm90_narrow"

@@ -432,13 +432,19 @@ def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots:
     return next(i + 1 for i, c in enumerate(costs) if c <= best * 1.03)
 
 
-def choose_config(T: int, H: int, kv_len: int, kv_mode: int, device: torch.device) -> DecodeConfig:
-    """Heuristic launch configuration (tuned on H100; see docs/triton_notes.md). Cached per shape."""
-    return _choose_config_cached(T, H, kv_len, kv_mode, device.type, device.index)
+# Up to this many (query row, key) pairs a 16-bit call of 16 heads or fewer runs the 64-head Gluon kernel on SM90.
+WIDE_FEW_HEADS_MAX_KEYS = 1 << 19
+
+
+def choose_config(T: int, H: int, kv_len: int, kv_mode: int, device: torch.device,
+                  sparse: bool = False) -> DecodeConfig:
+    """Heuristic launch configuration (tuned on H100; see docs/triton_notes.md). Cached per shape. ``kv_len``: the
+    host-side bound on keys per row (dense: block-table width x page size; sparse: top-k)."""
+    return _choose_config_cached(T, H, kv_len, kv_mode, device.type, device.index, sparse)
 
 
 @functools.lru_cache(maxsize=1024)
-def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeConfig:
+def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index, sparse=False) -> DecodeConfig:
     device = torch.device(dev_type, dev_index) if dev_index is not None else torch.device(dev_type)
     cfg = tl_dot_config(T, H, kv_len, device)
     if not _hopper_kernel_runs_on(device):
@@ -451,6 +457,13 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index) -> DecodeC
         # 32-head tiling, most of all on fp8 caches, which the tl.dot kernel widens in the warps that run its
         # products (H100, B=128 S=4096: bf16 1.16x, fp8_e4m3 1.69x, fp8_ds_mla 1.87x; section 1, seventh run).
         # DecodeLaunch keeps the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
+        return gluon_config("gluon_sm90", T, H, kv_len, device)
+    if cfg.block_h == 16 and kv_mode == _KV_PLAIN and not sparse and T * kv_len <= WIDE_FEW_HEADS_MAX_KEYS:
+        # Dense bf16/fp16 at 16 heads or fewer, up to 2^19 (query row, key) pairs: the 64-head Gluon kernel, though
+        # 48 or more of its 64 rows are empty. H200, bench_kernels' forced rows (docs/benchmarks.md section 1, ninth
+        # run): 0.78-0.97x the tl.dot kernel's time from B=1 to B=128 at S=4096 and up to B=8 at S=32k (B=16 even);
+        # beyond, the tl.dot kernel (two programs per SM) reads at the HBM floor and is ~1% ahead. Sparse calls keep
+        # the tl.dot kernel (at 16 heads, top-k 2048, it was ahead at B=1 and B=128 and even at B=32).
         return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
         # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (bf16 at 16 heads
@@ -758,7 +771,7 @@ class DecodeLaunch:
             stride_sp = stride_bt  # the dense kernel is handed the block table as its (unread) index tensor
             # Host-side bound on the sequence length: keeps the launch free of device->host syncs.
             kv_len_hint = max(1, block_table.shape[1] * page_size)
-        cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device)
+        cfg = config or choose_config(T, H, kv_len_hint, kv_mode, self.device, self.sparse)
         if cfg.kernel != "tl_dot" and not _hopper_kernel_runs_on(self.device):
             raise ValueError(f"config: kernel={cfg.kernel!r} runs on SM90 GPUs with a Triton that has Gluon's Hopper "
                              f"ops; this call is on {self.device}: use kernel='tl_dot'")
