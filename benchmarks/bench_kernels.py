@@ -368,6 +368,14 @@ def _write_log(out_dir, name: str, lines: list) -> None:
     report.write_results(out_dir, name, "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
+def _shapes(argv, flag: str, default):
+    """The cases ``flag=AxBxC,...`` names (tuples of ints), else ``default``."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+    if not given:
+        return default
+    return [tuple(int(v) for v in case.split("x")) for case in given[-1].split(",")]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
@@ -394,18 +402,10 @@ def main(argv=None):
     peer_names = [] if "--ours-only" in argv else [n for n in pm.PEERS if not only or n in only[0]]
     sparse_peers = [] if "--ours-only" in argv else list(pm.SPARSE_PEERS)
     rows, results = [], {}
-    cases = pm.QUICK if quick else pm.FULL
-    for a in argv:
-        if a.startswith("--cases="):  # a subset of the dense cases, e.g. 128x16x4096,32x16x4096
-            cases = [tuple(int(v) for v in case.split("x")) for case in a.split("=", 1)[1].split(",")]
-    if "--no-dense" not in argv:
-        run_dense(cases, peer_names, rows, results, ours)
-    sparse_cases = pm.SPARSE
-    for a in argv:
-        if a.startswith("--sparse-cases="):  # e.g. 32x16x16384x2048 (B x H x S x top-k)
-            sparse_cases = [tuple(int(v) for v in case.split("x")) for case in a.split("=", 1)[1].split(",")]
-    if "--no-sparse" not in argv:
-        run_sparse(sparse_peers, rows, results, sparse_cases)
+    if "--no-dense" not in argv:  # --cases: e.g. 128x16x4096,32x16x4096 (B x H x S)
+        run_dense(_shapes(argv, "--cases", pm.QUICK if quick else pm.FULL), peer_names, rows, results, ours)
+    if "--no-sparse" not in argv:  # --sparse-cases: e.g. 32x16x16384x2048 (B x H x S x top-k)
+        run_sparse(sparse_peers, rows, results, _shapes(argv, "--sparse-cases", pm.SPARSE))
     checks = targets(results)
     rows += checks
     print("\n".join(["", "# summary"] + rows), flush=True)

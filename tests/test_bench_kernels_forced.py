@@ -76,3 +76,10 @@ def test_an_unknown_row_name_is_refused(bench):
 def test_the_default_config_is_passed_through(bench):
     cfg = dk.DecodeConfig(16, 16, 1, 4, 1)
     assert bench._forced(cfg, *_call(32), None) is cfg
+
+
+def test_the_case_flags_name_dense_and_sparse_shapes(bench):
+    argv = ["--cases=1x16x4096,2x8x32768", "--sparse-cases=32x16x16384x2048"]
+    assert bench._shapes(argv, "--cases", None) == [(1, 16, 4096), (2, 8, 32768)]
+    assert bench._shapes(argv, "--sparse-cases", None) == [(32, 16, 16384, 2048)]
+    assert bench._shapes(["--ours-only"], "--sparse-cases", "the default") == "the default"

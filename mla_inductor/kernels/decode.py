@@ -466,8 +466,8 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index, sparse=Fal
         # the tl.dot kernel (at 16 heads, top-k 2048, it was ahead at B=1 and B=128 and even at B=32).
         return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
-        # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (bf16 at 16 heads
-        # is already at the HBM floor on the tl.dot kernel, docs/benchmarks.md section 1).
+        # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (ahead of the wide
+        # kernel on them from B=16 up, docs/benchmarks.md section 1, ninth run).
         return gluon_config("gluon_sm90_narrow", T, H, kv_len, device)
     return cfg
 
