@@ -9,6 +9,7 @@ calls too.
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
+    python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
 not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
@@ -17,7 +18,9 @@ against the reference on the dequantized cache), achieved GB/s (KV bytes only), 
 measured time over max(bytes / HBM_BPS, FLOPs / PEAK_FLOPS), the H100 SXM bound (other GPUs: read the
 ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a plot, with matplotlib).
 ``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
-``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel.
+``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
+times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph:
+the data behind ``decode.choose_splits`` where few rows leave SMs idle.
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
     the default already is the tl.dot kernel); for "wide" (FORCED_GLUON) the Gluon kernel of that name at its own
     tiling, on calls whose default is another kernel (SameKernel where it is that one, off SM90, and where that
     Gluon kernel does not cover the call): whether it should take them."""
-    if config not in ("tldot", *FORCED_GLUON):
+    if config not in ("tldot", *FORCED_GLUON) and not isinstance(config, SplitCount):
         return config
     from mla_inductor.kernels import decode
 
@@ -77,6 +80,8 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
                                    cfg)
 
     default = launch()
+    if isinstance(config, SplitCount):
+        return with_splits(default.config, config)
     if config == "tldot":
         if default.config.kernel == "tl_dot":
             raise SameKernel("the default path already runs the tl.dot kernel here")
@@ -93,6 +98,18 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
 
 class SameKernel(Exception):
     """A forced-kernel row that would time the default row again (not printed)."""
+
+
+class SplitCount(int):
+    """A row's config given as a split count: the default launch configuration with that many splits."""
+
+
+def with_splits(cfg, splits: int):
+    """``cfg`` (a DecodeConfig) with ``splits`` splits per row, every other field as it is."""
+    from mla_inductor.kernels.decode import DecodeConfig
+
+    return DecodeConfig(cfg.block_h, cfg.block_n, int(splits), cfg.num_warps, cfg.num_stages, cfg.fp8_qk,
+                        cfg.fp16_mma, cfg.kernel)
 
 
 def _prepared(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_indices, config):
@@ -321,6 +338,39 @@ def sweep(out_dir):
     _write_log(out_dir, "bench_kernels_sweep", lines)
 
 
+def split_sweep(cases, counts, out_dir):
+    """Our default kernel on each case at each split count of ``counts`` (the other launch parameters the
+    default's) and at the default's own: µs launch after launch (``do_bench``) and replayed in a CUDA graph, for
+    tuning ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few)."""
+    import triton
+
+    def timed(c, kind, splits):
+        fn, ref, _ = _ours(c, kind, None if splits is None else SplitCount(splits))
+        out = fn()
+        torch.cuda.synchronize()
+        err = _err(out, ref)
+        eager = _bench(fn)
+        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        return f": {eager*1e3:8.1f} us, in a CUDA graph {graph*1e3:8.1f} us, err={err:.1e}"
+
+    from mla_inductor.kernels import decode as tk
+
+    lines = []
+    for B, H, S in cases:
+        c = pm.make_case(B, H, S)
+        c["ref"] = pm.reference(c)
+        for kind in ("bf16", "fp8", "ds"):
+            default = tk.choose_config(B, H, c["block_table"].shape[1] * c["cache"].shape[1],
+                                       {"bf16": tk._KV_PLAIN, "fp8": tk._KV_FP8, "ds": tk._KV_DS}[kind],
+                                       c["q"].device)
+            _log_line(lines, f"splits B={B} H={H} S={S} {kind:<4} default ({default.kernel}, ns={default.num_splits})",
+                      lambda: timed(c, kind, None))
+            for n in counts:
+                if n != default.num_splits:
+                    _log_line(lines, f"splits B={B} H={H} S={S} {kind:<4} ns={n}", lambda: timed(c, kind, n))
+    _write_log(out_dir, "bench_kernels_splits", lines)
+
+
 def overhead(out_dir):
     """Eager do_bench vs CUDA-graph replay vs host time per call, for our kernel on small and large batches.
 
@@ -368,6 +418,20 @@ def _write_log(out_dir, name: str, lines: list) -> None:
     report.write_results(out_dir, name, "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
+def _split_counts(argv) -> "list[int] | None":
+    """The counts ``--splits=8,16,...`` names (None without the flag); anything but positive integers is refused."""
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--splits=")), None)
+    if given is None:
+        return None
+    try:
+        counts = [int(n) for n in given.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--splits: expected positive split counts such as --splits=8,16,32; got {given!r}")
+    return counts
+
+
 def _shapes(argv, flag: str, default):
     """The cases ``flag=AxBxC,...`` names (tuples of ints), else ``default``."""
     given = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
@@ -385,6 +449,7 @@ def main(argv=None):
     unknown = sorted(set(ours) - set(OURS))
     if unknown:
         raise SystemExit(f"--ours: unknown row(s) {unknown}; expected names among {list(OURS)}")
+    counts = _split_counts(argv)
     report.require_gpu("bench_kernels.py")
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv:
@@ -396,6 +461,10 @@ def main(argv=None):
         return
     if "--overhead" in argv:
         overhead(out_dir)
+        return
+    if counts is not None:
+        split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),
+                    counts, out_dir)
         return
     quick = "--quick" in argv
     only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]

@@ -83,3 +83,48 @@ def test_the_case_flags_name_dense_and_sparse_shapes(bench):
     assert bench._shapes(argv, "--cases", None) == [(1, 16, 4096), (2, 8, 32768)]
     assert bench._shapes(argv, "--sparse-cases", None) == [(32, 16, 16384, 2048)]
     assert bench._shapes(["--ours-only"], "--sparse-cases", "the default") == "the default"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_split_count_row_keeps_the_default_config_but_its_splits(bench, fp8):
+    args = _call(16, fp8=fp8)
+    cfg = bench._forced(bench.SplitCount(7), *args, None)
+    qn, qp, cache, c, kv_scale = args
+    own = dk.DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, None).config
+    assert cfg.num_splits == 7 and repr(bench.with_splits(cfg, own.num_splits)) == repr(own)
+
+
+@pytest.mark.parametrize("flag", ["--splits=0,8", "--splits=eight", "--splits="])
+def test_bad_split_counts_are_refused(bench, flag):
+    with pytest.raises(SystemExit, match="--splits: expected positive split counts"):
+        bench.main([flag])
+
+
+def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatch, tmp_path):
+    # The loop of --splits, its timings stubbed (they need a GPU): one line per case, format and split count, the
+    # default's own count timed once (as the default), each row's config handed to _ours as a SplitCount.
+    import triton.testing
+
+    def case(B, H, S):
+        return dict(B=B, H=H, S=S, page=64, block_table=torch.zeros(B, S // 64, dtype=torch.int32),
+                    cache=torch.zeros(4, 64, 576), q=torch.zeros(B, H, 576))
+
+    asked = []
+
+    def ours(c, kind, config=None):
+        asked.append((kind, config))
+        return (lambda: torch.zeros(1)), torch.zeros(1), 576
+
+    monkeypatch.setattr(bench.pm, "make_case", case)
+    monkeypatch.setattr(bench.pm, "reference", lambda c, cache=None: torch.zeros(1))
+    monkeypatch.setattr(bench, "_ours", ours)
+    monkeypatch.setattr(bench, "_bench", lambda fn: 0.0123)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep, return_mode: 0.0101)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    default_ns = dk.choose_config(1, 16, 4096, dk._KV_PLAIN, torch.device("cpu")).num_splits
+    counts = sorted({1, 2, default_ns})
+    bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path))
+    assert [k for k, _ in asked] == [k for k in ("bf16", "fp8", "ds") for _ in counts]
+    assert all(cfg is None or (isinstance(cfg, bench.SplitCount) and cfg != default_ns) for _, cfg in asked)
+    log = (tmp_path / "bench_kernels_splits.md").read_text()
+    assert log.count(f"default (tl_dot, ns={default_ns}): ") == 3 and "12.3 us, in a CUDA graph     10.1 us" in log
