@@ -355,10 +355,11 @@ if _HAVE_TRITON:
 
 KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
 # The split merge's tile: splits per step of its loop, output columns per program below MERGE_WHOLE_ROWS_FROM
-# (row, head) pairs. H200, merge alone, old (one program per pair, every split at once) vs new: T*H=64 with 128
-# splits 82.6 -> 20.0 us, T*H=16 with 256 splits 173.2 -> 29.7 (the old one spilled its registers); with 128 columns
-# per program at T*H=4096 (8 splits) 26.0 -> 53.2, hence whole rows there; and up to 16 splits all at once, as the old
-# one did (the loop over splits read 1.08-1.13x its time at T*H=4096-16384; docs/triton_notes.md).
+# (row, head) pairs. H200, the merge alone (a one-off script, docs/triton_notes.md), old (one program per pair,
+# every split at once) vs new: T*H=64 with 128 splits 82.6 -> 20.0 us, T*H=16 with 256 splits 173.2 -> 29.7 (the old
+# one spilled its registers); with 128 columns per program at T*H=4096 (8 splits) 26.0 -> 53.2, hence whole rows
+# there; and up to 16 splits all at once, as the old one did (the loop over splits read 1.08-1.13x its time at
+# T*H=4096-16384). The whole call before/after: docs/benchmarks.md section 1, eighth run (bench_kernels).
 MERGE_BLOCK_S, MERGE_BLOCK_L, MERGE_WHOLE_ROWS_FROM = 16, 128, 512
 
 
@@ -419,8 +420,10 @@ def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots:
     stands for the per-program fixed cost (loading Q, writing a partial); the merge pass adds a little.
     Of the counts within 3% of the best estimate, the smallest wins: splitting only pays when it fills
     SMs that would otherwise idle. At most ``max_splits``: 128 lets one long sequence at 64 heads per program
-    fill an H100's or H200's 132 SMs (H200, B=1 H=64 S=64k: 60.2 -> 49.8 us against 64 splits; 256 splits
-    were slower than 128 at 16 heads, where the per-program costs the model leaves out add up).
+    fill an H100's or H200's 132 SMs (H200, kernel called directly, B=1 H=64 S=64k bf16: 60.1 -> 50.0 us with the
+    new merge and 128 splits against the old merge and 64, docs/benchmarks.md section 1, eighth run). 256 splits
+    were slower than 128 at 16 heads in a one-off script (the per-program costs and partials' traffic the model
+    leaves out); ``bench_kernels.py --splits`` times split counts from the repository.
     """
     tiles = max(1, -(-kv_len // block_n))
     base = max(1, rows * head_blocks)
