@@ -9,7 +9,7 @@ calls too.
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
-    python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--out DIR]
+    python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds] [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
 not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
@@ -19,8 +19,8 @@ measured time over max(bytes / HBM_BPS, FLOPs / PEAK_FLOPS), the H100 SXM bound 
 ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a plot, with matplotlib).
 ``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
-times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph:
-the data behind ``decode.choose_splits`` where few rows leave SMs idle.
+times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, on
+the cache formats ``--kinds`` names (all three by default): the data behind ``decode.choose_splits``.
 """
 from __future__ import annotations
 
@@ -338,7 +338,10 @@ def sweep(out_dir):
     _write_log(out_dir, "bench_kernels_sweep", lines)
 
 
-def split_sweep(cases, counts, out_dir):
+CACHE_FORMATS = ("bf16", "fp8", "ds")
+
+
+def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS):
     """Our default kernel on each case at each split count of ``counts`` (the other launch parameters the
     default's) and at the default's own: µs launch after launch (``do_bench``) and replayed in a CUDA graph, for
     tuning ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few)."""
@@ -359,7 +362,7 @@ def split_sweep(cases, counts, out_dir):
     for B, H, S in cases:
         c = pm.make_case(B, H, S)
         c["ref"] = pm.reference(c)
-        for kind in ("bf16", "fp8", "ds"):
+        for kind in kinds:
             default = tk.choose_config(B, H, c["block_table"].shape[1] * c["cache"].shape[1],
                                        {"bf16": tk._KV_PLAIN, "fp8": tk._KV_FP8, "ds": tk._KV_DS}[kind],
                                        c["q"].device)
@@ -432,6 +435,17 @@ def _split_counts(argv) -> "list[int] | None":
     return counts
 
 
+def _split_kinds(argv) -> tuple:
+    """The cache formats ``--kinds=bf16,ds`` names for ``--splits`` (all three without the flag)."""
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--kinds=")), None)
+    if given is None:
+        return CACHE_FORMATS
+    kinds = tuple(given.split(","))
+    if not kinds or set(kinds) - set(CACHE_FORMATS):
+        raise SystemExit(f"--kinds: expected cache formats among {list(CACHE_FORMATS)}; got {given!r}")
+    return kinds
+
+
 def _shapes(argv, flag: str, default):
     """The cases ``flag=AxBxC,...`` names (tuples of ints), else ``default``."""
     given = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
@@ -450,6 +464,7 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--ours: unknown row(s) {unknown}; expected names among {list(OURS)}")
     counts = _split_counts(argv)
+    kinds = _split_kinds(argv)
     report.require_gpu("bench_kernels.py")
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv:
@@ -464,7 +479,7 @@ def main(argv=None):
         return
     if counts is not None:
         split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),
-                    counts, out_dir)
+                    counts, out_dir, kinds)
         return
     quick = "--quick" in argv
     only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]

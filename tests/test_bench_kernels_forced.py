@@ -100,6 +100,12 @@ def test_bad_split_counts_are_refused(bench, flag):
         bench.main([flag])
 
 
+@pytest.mark.parametrize("flag", ["--kinds=bf17", "--kinds=", "--kinds=bf16,fp4"])
+def test_bad_split_kinds_are_refused(bench, flag):
+    with pytest.raises(SystemExit, match="--kinds: expected cache formats among"):
+        bench.main(["--splits=8", flag])
+
+
 def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatch, tmp_path):
     # The loop of --splits, its timings stubbed (they need a GPU): one line per case, format and split count, the
     # default's own count timed once (as the default), each row's config handed to _ours as a SplitCount.
@@ -128,3 +134,6 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     assert all(cfg is None or (isinstance(cfg, bench.SplitCount) and cfg != default_ns) for _, cfg in asked)
     log = (tmp_path / "bench_kernels_splits.md").read_text()
     assert log.count(f"default (tl_dot, ns={default_ns}): ") == 3 and "12.3 us, in a CUDA graph     10.1 us" in log
+    asked.clear()
+    bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("ds",))
+    assert [k for k, _ in asked] == ["ds"] * len(counts)

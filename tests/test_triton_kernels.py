@@ -400,6 +400,26 @@ def test_split_heuristic():
     assert 2 <= ns <= 8
 
 
+def test_split_heuristic_weighs_the_partials_traffic():
+    # The Gluon kernels' model (partial_bytes given). One sequence of 128 heads (two 64-head programs per split):
+    # without the partials' bytes 64 splits of one tile each fill 128 SMs; with them (131 KB per program against
+    # its 74 KB of cache) 32 win, as they did on the GPU. Longer sequences and fewer heads keep theirs.
+    def gluon_splits(T, H, S):
+        return tk.choose_splits(T, -(-H // 64), S, 64, 132, partial_bytes=T * H * 513 * 4)
+
+    assert tk.choose_splits(1, 2, 4096, 64, 132) == 64
+    assert gluon_splits(1, 128, 4096) == 32
+    assert (gluon_splits(1, 128, 16384), gluon_splits(1, 64, 32768), gluon_splits(1, 16, 4096)) == (64, 128, 64)
+    assert (gluon_splits(2, 128, 4096), gluon_splits(4, 128, 4096)) == (16, 16)
+    # Counts weighed: powers of two and whole waves. Twelve sequences of 128 heads (24 programs a split): 5 splits
+    # fill one wave of 132 SMs (120 programs); the tl.dot model, every count weighed, takes 11 (two waves).
+    assert gluon_splits(12, 128, 16384) == 5 and tk.choose_splits(12, 2, 16384, 64, 132) == 11
+    # Three sequences: 22 splits (3 tiles each, 132 programs) were slower than 16 (4 tiles) on the GPU.
+    assert gluon_splits(3, 128, 4096) == 16 and tk.choose_splits(3, 2, 4096, 64, 132) == 22
+    # No partials without a split: one-split costs are the same either way.
+    assert tk.choose_splits(2048, 2, 4096, 64, 132, partial_bytes=10**9) == 1
+
+
 # ----------------------------------------------------------------------------- GPU tests
 @gpu
 @needs_cuda

@@ -413,26 +413,48 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots: int, max_splits: int = 128) -> int:
+# Bytes of split partials (fp32, written by the decode and read back by the merge) that cost about as much time
+# as one program's KV tile in the wave model below. H200, the 64-head Gluon kernel called directly, bf16, at the 17
+# shapes of ``bench_kernels.py --splits`` in docs/benchmarks.md section 1 (tenth run): with 3.0 MB and the counts
+# below, the model's pick is within 2% of the fastest count measured at every shape (geometric mean 1.001x); the
+# model without either missed by up to 1.31x (1.094x). Fitted on those measurements (3.5-4.0 MB left one at 1.05x);
+# of seven shapes checked afterwards, two (16 (row, head block) pairs over 16 tiles) were 1.05x the fastest count.
+# fp8 and fp8_ds_mla caches had the same fastest counts. Example: one sequence of 128 heads, 4k keys, 64 splits ->
+# 32, 21.0 -> 16.8 us in a CUDA graph; each of the 64 splits' programs wrote a 131 KB partial for 74 KB of cache.
+PARTIAL_BYTES_PER_TILE = 3_000_000
+
+
+def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots: int, max_splits: int = 128,
+                  partial_bytes: Optional[int] = None) -> int:
     """Split count from a simple wave model.
 
-    ``slots`` is how many programs the GPU runs at once. Time ~ waves * (tiles per split + c), where c
-    stands for the per-program fixed cost (loading Q, writing a partial); the merge pass adds a little.
-    Of the counts within 3% of the best estimate, the smallest wins: splitting only pays when it fills
-    SMs that would otherwise idle. At most ``max_splits``: 128 lets one long sequence at 64 heads per program
-    fill an H100's or H200's 132 SMs (H200, kernel called directly, B=1 H=64 S=64k bf16: 60.1 -> 50.0 us with the
-    new merge and 128 splits against the old merge and 64, docs/benchmarks.md section 1, eighth run). 256 splits
-    were slower than 128 at 16 heads in a one-off script (the per-program costs and partials' traffic the model
-    leaves out); ``bench_kernels.py --splits`` times split counts from the repository.
+    ``slots`` is how many programs the GPU runs at once. Time ~ waves * (tiles per split + c) + m, where c stands
+    for the per-program fixed cost (loading Q, writing a partial) and m for the merge pass. Of the counts within 3%
+    of the best estimate, the smallest wins: splitting only pays when it fills SMs that would otherwise idle. At
+    most ``max_splits``: 128 lets one long sequence at 64 heads per program fill an H100's or H200's 132 SMs (H200,
+    kernel called directly, B=1 H=64 S=64k bf16: 60.1 -> 50.0 us with the new merge and 128 splits against the old
+    merge and 64, docs/benchmarks.md section 1, eighth run).
+
+    ``partial_bytes`` (the Gluon kernels, measured on the GPU; None for the tl.dot kernel, not measured): the bytes
+    one more split adds to the call's partials. m then grows by those bytes per split in tiles' worth of time
+    (``PARTIAL_BYTES_PER_TILE``), and the counts weighed are powers of two and those that fill whole waves of
+    programs: counts between them (13 splits at B=4 H=128 S=4096, 19 at B=6 H=64 S=8192) were slower than both
+    neighbours, which the model does not see. ``bench_kernels.py --splits`` times split counts.
     """
     tiles = max(1, -(-kv_len // block_n))
     base = max(1, rows * head_blocks)
-    costs = []
-    for ns in range(1, min(max_splits, tiles) + 1):
+    per_split = 0.0 if partial_bytes is None else partial_bytes / PARTIAL_BYTES_PER_TILE
+    top = min(max_splits, tiles)
+    counts = range(1, top + 1)
+    if partial_bytes is not None:
+        whole_waves = {w * slots // base for w in range(1, -(-top * base // slots) + 1)}
+        counts = [ns for ns in counts if ns & (ns - 1) == 0 or ns in whole_waves]
+    costs = {}
+    for ns in counts:
         waves = -(-base * ns // slots)
-        costs.append(waves * (-(-tiles // ns) + 2.0) + (1.0 if ns > 1 else 0.0))
-    best = min(costs)
-    return next(i + 1 for i, c in enumerate(costs) if c <= best * 1.03)
+        costs[ns] = waves * (-(-tiles // ns) + 2.0) + (1.0 + ns * per_split if ns > 1 else 0.0)
+    best = min(costs.values())
+    return next(ns for ns, c in costs.items() if c <= best * 1.03)
 
 
 # Up to this many (query row, key) pairs a 16-bit call of 16 heads or fewer runs the 64-head Gluon kernel on SM90.
@@ -481,13 +503,20 @@ def gluon_config(kernel: str, T: int, H: int, kv_len: int, device: torch.device)
     and what a benchmark forces where it does not."""
     h = _hopper()
     if kernel == "gluon_sm90_narrow":
-        ns = choose_splits(T, -(-H // h.NARROW_BLOCK_H), kv_len, h.NARROW_BLOCK_N, _sm_count(device) * 2)
+        ns = choose_splits(T, -(-H // h.NARROW_BLOCK_H), kv_len, h.NARROW_BLOCK_N, _sm_count(device) * 2,
+                           partial_bytes=_partial_bytes(T, H))
         return DecodeConfig(h.NARROW_BLOCK_H, h.NARROW_BLOCK_N, ns, h.NARROW_NUM_WARPS, 1, kernel=kernel)
     if kernel == "gluon_sm90":
         block_n, stages = h.TILINGS[0]
-        ns = choose_splits(T, -(-H // h.HEADS_PER_PROGRAM), kv_len, block_n, _sm_count(device))
+        ns = choose_splits(T, -(-H // h.HEADS_PER_PROGRAM), kv_len, block_n, _sm_count(device),
+                           partial_bytes=_partial_bytes(T, H))
         return DecodeConfig(h.HEADS_PER_PROGRAM, block_n, ns, h.NUM_WARPS, stages, kernel=kernel)
     raise ValueError(f"kernel: expected a Gluon kernel ('gluon_sm90' or 'gluon_sm90_narrow'), got {kernel!r}")
+
+
+def _partial_bytes(T: int, H: int) -> int:
+    """Bytes one split adds to a Gluon call's partials: an fp32 output row and log-sum-exp per (row, head)."""
+    return T * H * (_hopper().L_DIM + 1) * 4
 
 
 def tl_dot_config(T: int, H: int, kv_len: int, device: torch.device) -> DecodeConfig:
