@@ -9,7 +9,8 @@ calls too.
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
-    python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds] [--out DIR]
+    python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds]
+           [--partials=fp32,bf16] [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
 not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
@@ -20,7 +21,8 @@ ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a
 ``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
 times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, on
-the cache formats ``--kinds`` names (all three by default): the data behind ``decode.choose_splits``.
+the cache formats ``--kinds`` names (all three by default), with the split partials in each dtype ``--partials``
+names (fp32 by default): the data behind ``decode.choose_splits`` and ``DecodeConfig.partials``.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from typing import NamedTuple, Optional
 
 import peers as pm
 import torch
@@ -71,7 +74,7 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
     the default already is the tl.dot kernel); for "wide" (FORCED_GLUON) the Gluon kernel of that name at its own
     tiling, on calls whose default is another kernel (SameKernel where it is that one, off SM90, and where that
     Gluon kernel does not cover the call): whether it should take them."""
-    if config not in ("tldot", *FORCED_GLUON) and not isinstance(config, SplitCount):
+    if config not in ("tldot", *FORCED_GLUON) and not isinstance(config, SplitChoice):
         return config
     from mla_inductor.kernels import decode
 
@@ -80,8 +83,8 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
                                    cfg)
 
     default = launch()
-    if isinstance(config, SplitCount):
-        return with_splits(default.config, config)
+    if isinstance(config, SplitChoice):
+        return with_splits(default.config, config.splits or default.config.num_splits, config.partials)
     if config == "tldot":
         if default.config.kernel == "tl_dot":
             raise SameKernel("the default path already runs the tl.dot kernel here")
@@ -100,16 +103,21 @@ class SameKernel(Exception):
     """A forced-kernel row that would time the default row again (not printed)."""
 
 
-class SplitCount(int):
-    """A row's config given as a split count: the default launch configuration with that many splits."""
+class SplitChoice(NamedTuple):
+    """A row's config given as a split count (None: the default's) and the partials' dtype ("fp32" or "bf16",
+    ``DecodeConfig.partials``): the default launch configuration with those."""
+
+    splits: Optional[int]
+    partials: str = "fp32"
 
 
-def with_splits(cfg, splits: int):
-    """``cfg`` (a DecodeConfig) with ``splits`` splits per row, every other field as it is."""
+def with_splits(cfg, splits: int, partials: Optional[str] = None):
+    """``cfg`` (a DecodeConfig) with ``splits`` splits per row (and its partials in ``partials``, if given), every
+    other field as it is."""
     from mla_inductor.kernels.decode import DecodeConfig
 
     return DecodeConfig(cfg.block_h, cfg.block_n, int(splits), cfg.num_warps, cfg.num_stages, cfg.fp8_qk,
-                        cfg.fp16_mma, cfg.kernel)
+                        cfg.fp16_mma, cfg.kernel, partials or cfg.partials)
 
 
 def _prepared(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_indices, config):
@@ -341,14 +349,15 @@ def sweep(out_dir):
 CACHE_FORMATS = ("bf16", "fp8", "ds")
 
 
-def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS):
+def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",)):
     """Our default kernel on each case at each split count of ``counts`` (the other launch parameters the
-    default's) and at the default's own: µs launch after launch (``do_bench``) and replayed in a CUDA graph, for
-    tuning ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few)."""
+    default's) and at the default's own, with its split partials in each dtype of ``partials``: µs launch after
+    launch (``do_bench``) and replayed in a CUDA graph, for tuning ``decode.choose_splits`` where few rows leave
+    SMs idle (one sequence, a few), and the partials' dtype (``DecodeConfig.partials``)."""
     import triton
 
-    def timed(c, kind, splits):
-        fn, ref, _ = _ours(c, kind, None if splits is None else SplitCount(splits))
+    def timed(c, kind, choice):
+        fn, ref, _ = _ours(c, kind, None if choice == SplitChoice(None) else choice)
         out = fn()
         torch.cuda.synchronize()
         err = _err(out, ref)
@@ -366,11 +375,13 @@ def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS):
             default = tk.choose_config(B, H, c["block_table"].shape[1] * c["cache"].shape[1],
                                        {"bf16": tk._KV_PLAIN, "fp8": tk._KV_FP8, "ds": tk._KV_DS}[kind],
                                        c["q"].device)
-            _log_line(lines, f"splits B={B} H={H} S={S} {kind:<4} default ({default.kernel}, ns={default.num_splits})",
-                      lambda: timed(c, kind, None))
-            for n in counts:
-                if n != default.num_splits:
-                    _log_line(lines, f"splits B={B} H={H} S={S} {kind:<4} ns={n}", lambda: timed(c, kind, n))
+            for dtype in partials:
+                label = f"splits B={B} H={H} S={S} {kind:<4}" + ("" if dtype == "fp32" else f" partials={dtype}")
+                _log_line(lines, f"{label} default ({default.kernel}, ns={default.num_splits})",
+                          lambda: timed(c, kind, SplitChoice(None, dtype)))
+                for n in counts:
+                    if n != default.num_splits:
+                        _log_line(lines, f"{label} ns={n}", lambda: timed(c, kind, SplitChoice(n, dtype)))
     _write_log(out_dir, "bench_kernels_splits", lines)
 
 
@@ -446,6 +457,17 @@ def _split_kinds(argv) -> tuple:
     return kinds
 
 
+def _split_partials(argv) -> tuple:
+    """The partials' dtypes ``--partials=fp32,bf16`` names for ``--splits`` (fp32 alone without the flag)."""
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--partials=")), None)
+    if given is None:
+        return ("fp32",)
+    dtypes = tuple(given.split(","))
+    if set(dtypes) - {"fp32", "bf16"}:
+        raise SystemExit(f"--partials: expected dtypes among ['fp32', 'bf16']; got {given!r}")
+    return dtypes
+
+
 def _shapes(argv, flag: str, default):
     """The cases ``flag=AxBxC,...`` names (tuples of ints), else ``default``."""
     given = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
@@ -465,6 +487,7 @@ def main(argv=None):
         raise SystemExit(f"--ours: unknown row(s) {unknown}; expected names among {list(OURS)}")
     counts = _split_counts(argv)
     kinds = _split_kinds(argv)
+    partials = _split_partials(argv)
     report.require_gpu("bench_kernels.py")
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv:
@@ -479,7 +502,7 @@ def main(argv=None):
         return
     if counts is not None:
         split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),
-                    counts, out_dir, kinds)
+                    counts, out_dir, kinds, partials)
         return
     quick = "--quick" in argv
     only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]

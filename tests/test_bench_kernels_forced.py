@@ -88,10 +88,13 @@ def test_the_case_flags_name_dense_and_sparse_shapes(bench):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_a_split_count_row_keeps_the_default_config_but_its_splits(bench, fp8):
     args = _call(16, fp8=fp8)
-    cfg = bench._forced(bench.SplitCount(7), *args, None)
+    cfg = bench._forced(bench.SplitChoice(7), *args, None)
     qn, qp, cache, c, kv_scale = args
     own = dk.DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, None).config
     assert cfg.num_splits == 7 and repr(bench.with_splits(cfg, own.num_splits)) == repr(own)
+    # The default's own count with bf16 partials: only the partials differ.
+    half = bench._forced(bench.SplitChoice(None, "bf16"), *args, None)
+    assert half.partials == "bf16" and repr(bench.with_splits(half, own.num_splits, "fp32")) == repr(own)
 
 
 @pytest.mark.parametrize("flag", ["--splits=0,8", "--splits=eight", "--splits="])
@@ -100,15 +103,18 @@ def test_bad_split_counts_are_refused(bench, flag):
         bench.main([flag])
 
 
-@pytest.mark.parametrize("flag", ["--kinds=bf17", "--kinds=", "--kinds=bf16,fp4"])
-def test_bad_split_kinds_are_refused(bench, flag):
-    with pytest.raises(SystemExit, match="--kinds: expected cache formats among"):
+@pytest.mark.parametrize("flag,message", [("--kinds=bf17", "--kinds: expected cache formats among"),
+                                          ("--kinds=", "--kinds: expected cache formats among"),
+                                          ("--kinds=bf16,fp4", "--kinds: expected cache formats among"),
+                                          ("--partials=fp16", "--partials: expected dtypes among")])
+def test_bad_split_kinds_and_partials_are_refused(bench, flag, message):
+    with pytest.raises(SystemExit, match=message):
         bench.main(["--splits=8", flag])
 
 
 def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatch, tmp_path):
     # The loop of --splits, its timings stubbed (they need a GPU): one line per case, format and split count, the
-    # default's own count timed once (as the default), each row's config handed to _ours as a SplitCount.
+    # default's own count timed once (as the default), each row's config handed to _ours as a SplitChoice.
     import triton.testing
 
     def case(B, H, S):
@@ -131,9 +137,17 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     counts = sorted({1, 2, default_ns})
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path))
     assert [k for k, _ in asked] == [k for k in ("bf16", "fp8", "ds") for _ in counts]
-    assert all(cfg is None or (isinstance(cfg, bench.SplitCount) and cfg != default_ns) for _, cfg in asked)
+    assert all(cfg is None or (isinstance(cfg, bench.SplitChoice) and cfg.splits != default_ns and
+                               cfg.partials == "fp32") for _, cfg in asked)
     log = (tmp_path / "bench_kernels_splits.md").read_text()
     assert log.count(f"default (tl_dot, ns={default_ns}): ") == 3 and "12.3 us, in a CUDA graph     10.1 us" in log
     asked.clear()
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("ds",))
     assert [k for k, _ in asked] == ["ds"] * len(counts)
+    # --partials=fp32,bf16: each count twice, the bf16 rows labelled (and their default given as a SplitChoice).
+    asked.clear()
+    bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("bf16",), partials=("fp32", "bf16"))
+    assert [cfg for _, cfg in asked][len(counts):] == [bench.SplitChoice(None, "bf16")] + [
+        bench.SplitChoice(n, "bf16") for n in counts if n != default_ns]
+    log = (tmp_path / "bench_kernels_splits.md").read_text()
+    assert log.count("bf16 partials=bf16 ") == len(counts) and log.count("partials=") == len(counts)

@@ -141,8 +141,8 @@ def check(case, sparse_indices=None, config=None, tol=1e-2, lse_atol=2e-3):
     return out, lse
 
 
-def cfg(bh=16, bn=16, ns=1, warps=4, stages=1):
-    return DecodeConfig(bh, bn, ns, warps, stages)
+def cfg(bh=16, bn=16, ns=1, warps=4, stages=1, partials="fp32"):
+    return DecodeConfig(bh, bn, ns, warps, stages, partials=partials)
 
 
 # ----------------------------------------------------------------------------- CPU (interpreter) tests
@@ -193,6 +193,28 @@ def test_b1_long_many_splits():
     # more columns than one merge program writes (128).
     check(c, config=cfg(bn=16, ns=20))
     check(c)  # default config
+
+
+@cpu_only
+@pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("same", torch.float16), ("fp8", "fp8"),
+                                      ("ds", "fp8")])
+def test_bf16_partials(kv, dtype):
+    # Split partials kept in bf16 (half the bytes between the decode and the merge): within each format's
+    # tolerance, on the looping merge (20 splits, some empty) and the one-step one; and in the workspace the lse
+    # part starts after the bf16 rows, 16-byte aligned, with nothing shared between the two views.
+    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[200, 37], dtype=dtype, kv=kv, seed=21)
+    poison_unread(c)
+    tol = TOL[kv if kv != "same" else dtype]
+    for ns in (3, 20):
+        check(c, config=cfg(bn=16, ns=ns, partials="bf16"), tol=tol)
+    assert tk.DecodeLaunch(**c, config=cfg(ns=3, partials="bf16")).partial_dtype == torch.bfloat16
+    pout, plse = tk._alloc_partials(2, 3, 5, 20, torch.device("cpu"), torch.bfloat16)
+    assert pout.dtype == torch.bfloat16 and pout.shape == (2, 3, 5, 20) and plse.dtype == torch.float32
+    assert plse.data_ptr() % 16 == 0 and plse.data_ptr() >= pout.data_ptr() + pout.numel() * 2
+    assert plse.data_ptr() + plse.numel() * 4 <= pout.untyped_storage().data_ptr() + pout.untyped_storage().nbytes()
+    with pytest.raises(ValueError, match="partials: expected one of"):
+        DecodeConfig(16, 16, 2, 4, 1, partials="fp16")
+    assert cfg(partials="bf16").with_kernel("tl_dot").partials == "bf16"
 
 
 @cpu_only
