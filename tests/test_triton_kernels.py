@@ -557,6 +557,30 @@ def test_gpu_hopper_kernel(kv, dtype, H, tiling, page, Q, ns):
 
 
 @gpu
+@needs_cuda
+@pytest.mark.parametrize("kv,dtype", [("same", torch.bfloat16), ("fp8", "fp8"), ("ds", "fp8")])
+@pytest.mark.parametrize("kernel", ["gluon_sm90", "gluon_sm90_narrow", "tl_dot"])
+@pytest.mark.parametrize("ns", [3, 40])
+def test_gpu_bf16_partials(kv, dtype, kernel, ns):
+    # Split partials in bf16 (DecodeConfig.partials) on each kernel; 40 splits loop in the merge, some empty.
+    if kernel != "tl_dot" and not tk._hopper_kernel_runs_on(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on SM90")
+    if kernel == "gluon_sm90_narrow" and kv == "same":
+        pytest.skip("the 16-head variant takes fp8 caches only")
+    H = 16 if kernel == "gluon_sm90_narrow" else 128
+    c = make_case(B=2, Q=1, H=H, L=512, R=64, page=64, seq_lens=[2000, 37], dtype=dtype, kv=kv, seed=ns + H)
+    poison_unread(c)
+    own = tk.tl_dot_config(2, H, 2048, torch.device("cuda"))  # the tl.dot kernel's tiling for this GPU
+    config = {"gluon_sm90": DecodeConfig(64, 64, ns, 8, 2, kernel=kernel, partials="bf16"),
+              "gluon_sm90_narrow": DecodeConfig(16, 64, ns, 4, 1, kernel=kernel, partials="bf16"),
+              "tl_dot": DecodeConfig(own.block_h, own.block_n, ns, own.num_warps, own.num_stages,
+                                     partials="bf16")}[kernel]
+    check(c, config=config, tol=TOL[kv if kv != "same" else dtype])
+    launch = tk.DecodeLaunch(**c, config=config)
+    assert launch.config.kernel == kernel and launch.partial_dtype == torch.bfloat16
+
+
+@gpu
 @needs_sm90
 def test_gpu_hopper_kernel_is_the_default_where_it_covers_the_call():
     c = make_case(B=2, Q=1, H=128, L=512, R=64, page=64, seq_lens=[300, 4000], seed=5)
