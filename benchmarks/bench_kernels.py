@@ -10,7 +10,7 @@ calls too.
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
     python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds]
-           [--partials=fp32,bf16] [--out DIR]
+           [--partials=fp32,bf16] [--splits-kernel=default|tl_dot] [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
 not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
@@ -22,7 +22,8 @@ ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
 times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, on
 the cache formats ``--kinds`` names (all three by default), with the split partials in each dtype ``--partials``
-names (fp32 by default): the data behind ``decode.choose_splits`` and ``DecodeConfig.partials``.
+names (fp32 by default), on our default kernel or (``--splits-kernel=tl_dot``) the ``tl.dot`` kernel it falls back
+to: the data behind ``decode.choose_splits`` and ``DecodeConfig.partials``.
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
 
     default = launch()
     if isinstance(config, SplitChoice):
-        return with_splits(default.config, config.splits or default.config.num_splits, config.partials)
+        base = default.fallback if config.kernel == "tl_dot" and default.config.kernel != "tl_dot" else default.config
+        return with_splits(base, config.splits or base.num_splits, config.partials)
     if config == "tldot":
         if default.config.kernel == "tl_dot":
             raise SameKernel("the default path already runs the tl.dot kernel here")
@@ -104,11 +106,13 @@ class SameKernel(Exception):
 
 
 class SplitChoice(NamedTuple):
-    """A row's config given as a split count (None: the default's) and the partials' dtype ("fp32" or "bf16",
-    ``DecodeConfig.partials``): the default launch configuration with those."""
+    """A row's config given as a split count (None: the default's), the partials' dtype ("fp32" or "bf16",
+    ``DecodeConfig.partials``) and the kernel ("default", or "tl_dot": the launch configuration the default falls
+    back to on the ``tl.dot`` kernel): that launch configuration with those."""
 
     splits: Optional[int]
     partials: str = "fp32"
+    kernel: str = "default"
 
 
 def with_splits(cfg, splits: int, partials: Optional[str] = None):
@@ -131,6 +135,7 @@ def _prepared(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_
 
     def run():
         return launch(qn, qp, cache, block_table, lens, kv_scale, sparse_indices)[0]
+    run.launch = launch  # what it runs (split_sweep reads its configuration)
     return run
 
 
@@ -349,15 +354,15 @@ def sweep(out_dir):
 CACHE_FORMATS = ("bf16", "fp8", "ds")
 
 
-def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",)):
-    """Our default kernel on each case at each split count of ``counts`` (the other launch parameters the
-    default's) and at the default's own, with its split partials in each dtype of ``partials``: µs launch after
-    launch (``do_bench``) and replayed in a CUDA graph, for tuning ``decode.choose_splits`` where few rows leave
-    SMs idle (one sequence, a few), and the partials' dtype (``DecodeConfig.partials``)."""
+def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",), kernel="default"):
+    """Our default kernel (``kernel="tl_dot"``: the ``tl.dot`` kernel the default falls back to) on each case at
+    each split count of ``counts`` (the other launch parameters the default's) and at the default's own, with its
+    split partials in each dtype of ``partials``: µs launch after launch (``do_bench``) and replayed in a CUDA
+    graph, for tuning ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few), and the
+    partials' dtype (``DecodeConfig.partials``)."""
     import triton
 
-    def timed(c, kind, choice):
-        fn, ref, _ = _ours(c, kind, None if choice == SplitChoice(None) else choice)
+    def timed(fn, ref):
         out = fn()
         torch.cuda.synchronize()
         err = _err(out, ref)
@@ -365,23 +370,25 @@ def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",))
         graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
         return f": {eager*1e3:8.1f} us, in a CUDA graph {graph*1e3:8.1f} us, err={err:.1e}"
 
-    from mla_inductor.kernels import decode as tk
+    def row(c, kind, choice, own=None):
+        fn, ref, _ = _ours(c, kind, None if choice == SplitChoice(None) else choice)
+        if own is None:
+            return timed(fn, ref)
+        cfg = own["config"] = fn.launch.config
+        return f" ({cfg.kernel}, ns={cfg.num_splits})" + timed(fn, ref)
 
     lines = []
     for B, H, S in cases:
         c = pm.make_case(B, H, S)
         c["ref"] = pm.reference(c)
         for kind in kinds:
-            default = tk.choose_config(B, H, c["block_table"].shape[1] * c["cache"].shape[1],
-                                       {"bf16": tk._KV_PLAIN, "fp8": tk._KV_FP8, "ds": tk._KV_DS}[kind],
-                                       c["q"].device)
             for dtype in partials:
                 label = f"splits B={B} H={H} S={S} {kind:<4}" + ("" if dtype == "fp32" else f" partials={dtype}")
-                _log_line(lines, f"{label} default ({default.kernel}, ns={default.num_splits})",
-                          lambda: timed(c, kind, SplitChoice(None, dtype)))
+                own = {}
+                _log_line(lines, f"{label} default", lambda: row(c, kind, SplitChoice(None, dtype, kernel), own))
                 for n in counts:
-                    if n != default.num_splits:
-                        _log_line(lines, f"{label} ns={n}", lambda: timed(c, kind, SplitChoice(n, dtype)))
+                    if "config" not in own or n != own["config"].num_splits:
+                        _log_line(lines, f"{label} ns={n}", lambda: row(c, kind, SplitChoice(n, dtype, kernel)))
     _write_log(out_dir, "bench_kernels_splits", lines)
 
 
@@ -457,6 +464,14 @@ def _split_kinds(argv) -> tuple:
     return kinds
 
 
+def _split_kernel(argv) -> str:
+    """The kernel ``--splits-kernel=default|tl_dot`` names for ``--splits`` ("default" without the flag)."""
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--splits-kernel=")), "default")
+    if given not in ("default", "tl_dot"):
+        raise SystemExit(f"--splits-kernel: expected 'default' or 'tl_dot'; got {given!r}")
+    return given
+
+
 def _split_partials(argv) -> tuple:
     """The partials' dtypes ``--partials=fp32,bf16`` names for ``--splits`` (fp32 alone without the flag)."""
     given = next((a.split("=", 1)[1] for a in argv if a.startswith("--partials=")), None)
@@ -488,6 +503,7 @@ def main(argv=None):
     counts = _split_counts(argv)
     kinds = _split_kinds(argv)
     partials = _split_partials(argv)
+    split_kernel = _split_kernel(argv)
     report.require_gpu("bench_kernels.py")
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv:
@@ -502,7 +518,7 @@ def main(argv=None):
         return
     if counts is not None:
         split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),
-                    counts, out_dir, kinds, partials)
+                    counts, out_dir, kinds, partials, split_kernel)
         return
     quick = "--quick" in argv
     only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]

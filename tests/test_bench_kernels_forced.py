@@ -1,6 +1,8 @@
 """benchmarks/bench_kernels.py's forced rows (``tldot_*``, ``wide_*``): which calls get one and with what
 configuration, decided on the host (the timings need a GPU)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from benchmark_modules import load_benchmark
@@ -95,6 +97,7 @@ def test_a_split_count_row_keeps_the_default_config_but_its_splits(bench, fp8):
     # The default's own count with bf16 partials: only the partials differ.
     half = bench._forced(bench.SplitChoice(None, "bf16"), *args, None)
     assert half.partials == "bf16" and repr(bench.with_splits(half, own.num_splits, "fp32")) == repr(own)
+    assert bench._forced(bench.SplitChoice(5, kernel="tl_dot"), *args, None).kernel == "tl_dot"
 
 
 @pytest.mark.parametrize("flag", ["--splits=0,8", "--splits=eight", "--splits="])
@@ -106,7 +109,8 @@ def test_bad_split_counts_are_refused(bench, flag):
 @pytest.mark.parametrize("flag,message", [("--kinds=bf17", "--kinds: expected cache formats among"),
                                           ("--kinds=", "--kinds: expected cache formats among"),
                                           ("--kinds=bf16,fp4", "--kinds: expected cache formats among"),
-                                          ("--partials=fp16", "--partials: expected dtypes among")])
+                                          ("--partials=fp16", "--partials: expected dtypes among"),
+                                          ("--splits-kernel=gluon", "--splits-kernel: expected 'default' or")])
 def test_bad_split_kinds_and_partials_are_refused(bench, flag, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(["--splits=8", flag])
@@ -122,10 +126,20 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
                     cache=torch.zeros(4, 64, 576), q=torch.zeros(B, H, 576))
 
     asked = []
+    default_cfg = dk.choose_config(1, 16, 4096, dk._KV_PLAIN, torch.device("cpu"))
+    default_ns = default_cfg.num_splits
 
     def ours(c, kind, config=None):
+        # The row's launch, as _prepared hands it over: the default's configuration for the default row (with
+        # the kernel's and partials' names the choice gives).
         asked.append((kind, config))
-        return (lambda: torch.zeros(1)), torch.zeros(1), 576
+
+        def run():
+            return torch.zeros(1)
+        if config is None or config.splits is None:
+            name = "tl_dot" if config is None or config.kernel == "default" else config.kernel
+            run.launch = SimpleNamespace(config=SimpleNamespace(kernel=name, num_splits=default_ns))
+        return run, torch.zeros(1), 576
 
     monkeypatch.setattr(bench.pm, "make_case", case)
     monkeypatch.setattr(bench.pm, "reference", lambda c, cache=None: torch.zeros(1))
@@ -133,7 +147,6 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     monkeypatch.setattr(bench, "_bench", lambda fn: 0.0123)
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep, return_mode: 0.0101)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    default_ns = dk.choose_config(1, 16, 4096, dk._KV_PLAIN, torch.device("cpu")).num_splits
     counts = sorted({1, 2, default_ns})
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path))
     assert [k for k, _ in asked] == [k for k in ("bf16", "fp8", "ds") for _ in counts]
@@ -151,3 +164,7 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
         bench.SplitChoice(n, "bf16") for n in counts if n != default_ns]
     log = (tmp_path / "bench_kernels_splits.md").read_text()
     assert log.count("bf16 partials=bf16 ") == len(counts) and log.count("partials=") == len(counts)
+    # --splits-kernel=tl_dot: every row's choice names the kernel.
+    asked.clear()
+    bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("bf16",), kernel="tl_dot")
+    assert [cfg.kernel for _, cfg in asked] == ["tl_dot"] * len(counts) and asked[0][1].splits is None
