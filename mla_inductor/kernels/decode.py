@@ -430,7 +430,7 @@ def _next_pow2(x: int) -> int:
 # below, the model's pick is within 2% of the fastest count measured at every shape (geometric mean 1.001x); the
 # model without either missed by up to 1.31x (1.094x). Fitted on those measurements (3.5-4.0 MB left one at 1.05x);
 # of seven shapes checked afterwards, two (16 (row, head block) pairs over 16 tiles) were 1.05x the fastest count.
-# fp8 and fp8_ds_mla caches had the same fastest counts. Example: one sequence of 128 heads, 4k keys, 64 splits ->
+# fp8 and fp8_ds_mla caches: picks within 1% of theirs. Example: one sequence of 128 heads, 4k keys, 64 splits ->
 # 32, 21.0 -> 16.8 us in a CUDA graph; each of the 64 splits' programs wrote a 131 KB partial for 74 KB of cache.
 PARTIAL_BYTES_PER_TILE = 3_000_000
 
