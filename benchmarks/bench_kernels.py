@@ -10,7 +10,7 @@ calls too.
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
     python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds]
-           [--partials=fp32,bf16] [--splits-kernel=default|tl_dot] [--out DIR]
+           [--partials=fp32,bf16] [--splits-kernel=default|tl_dot] [--sparse-cases=BxHxSxTOPK,...] [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
 not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
@@ -23,7 +23,8 @@ ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a
 times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, on
 the cache formats ``--kinds`` names (all three by default), with the split partials in each dtype ``--partials``
 names (fp32 by default), on our default kernel or (``--splits-kernel=tl_dot``) the ``tl.dot`` kernel it falls back
-to: the data behind ``decode.choose_splits`` and ``DecodeConfig.partials``.
+to, and on the sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the data behind
+``decode.choose_splits`` and ``DecodeConfig.partials``.
 """
 from __future__ import annotations
 
@@ -354,12 +355,13 @@ def sweep(out_dir):
 CACHE_FORMATS = ("bf16", "fp8", "ds")
 
 
-def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",), kernel="default"):
+def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",), kernel="default", sparse_cases=()):
     """Our default kernel (``kernel="tl_dot"``: the ``tl.dot`` kernel the default falls back to) on each case at
     each split count of ``counts`` (the other launch parameters the default's) and at the default's own, with its
     split partials in each dtype of ``partials``: µs launch after launch (``do_bench``) and replayed in a CUDA
     graph, for tuning ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few), and the
-    partials' dtype (``DecodeConfig.partials``)."""
+    partials' dtype (``DecodeConfig.partials``). ``sparse_cases`` (B, H, S, top-k): sparse calls too, on the
+    formats of ``kinds`` a sparse call takes (bf16, fp8_ds_mla)."""
     import triton
 
     def timed(fn, ref):
@@ -370,25 +372,32 @@ def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",),
         graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
         return f": {eager*1e3:8.1f} us, in a CUDA graph {graph*1e3:8.1f} us, err={err:.1e}"
 
-    def row(c, kind, choice, own=None):
-        fn, ref, _ = _ours(c, kind, None if choice == SplitChoice(None) else choice)
+    def row(ours, c, kind, choice, own=None):
+        fn, ref, _ = ours(c, kind, None if choice == SplitChoice(None) else choice)
         if own is None:
             return timed(fn, ref)
         cfg = own["config"] = fn.launch.config
         return f" ({cfg.kernel}, ns={cfg.num_splits})" + timed(fn, ref)
+
+    def sweep(ours, c, case_label, kind):
+        for dtype in partials:
+            label = f"{case_label} {kind:<4}" + ("" if dtype == "fp32" else f" partials={dtype}")
+            own = {}
+            _log_line(lines, f"{label} default", lambda: row(ours, c, kind, SplitChoice(None, dtype, kernel), own))
+            for n in counts:
+                if "config" not in own or n != own["config"].num_splits:
+                    _log_line(lines, f"{label} ns={n}", lambda: row(ours, c, kind, SplitChoice(n, dtype, kernel)))
 
     lines = []
     for B, H, S in cases:
         c = pm.make_case(B, H, S)
         c["ref"] = pm.reference(c)
         for kind in kinds:
-            for dtype in partials:
-                label = f"splits B={B} H={H} S={S} {kind:<4}" + ("" if dtype == "fp32" else f" partials={dtype}")
-                own = {}
-                _log_line(lines, f"{label} default", lambda: row(c, kind, SplitChoice(None, dtype, kernel), own))
-                for n in counts:
-                    if "config" not in own or n != own["config"].num_splits:
-                        _log_line(lines, f"{label} ns={n}", lambda: row(c, kind, SplitChoice(n, dtype, kernel)))
+            sweep(_ours, c, f"splits B={B} H={H} S={S}", kind)
+    for B, H, S, topk in sparse_cases:
+        c = pm.sparse_case(B, H, S, topk)
+        for kind in (k for k in kinds if k in ("bf16", "ds")):
+            sweep(_ours_sparse, c, f"splits sparse B={B} H={H} S={S} topk={topk}", kind)
     _write_log(out_dir, "bench_kernels_splits", lines)
 
 
@@ -518,7 +527,7 @@ def main(argv=None):
         return
     if counts is not None:
         split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),
-                    counts, out_dir, kinds, partials, split_kernel)
+                    counts, out_dir, kinds, partials, split_kernel, _shapes(argv, "--sparse-cases", []))
         return
     quick = "--quick" in argv
     only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]

@@ -168,3 +168,11 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     asked.clear()
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("bf16",), kernel="tl_dot")
     assert [cfg.kernel for _, cfg in asked] == ["tl_dot"] * len(counts) and asked[0][1].splits is None
+    # --sparse-cases: sparse calls too, on the formats a sparse call takes (no fp8_e4m3), through _ours_sparse.
+    asked.clear()
+    monkeypatch.setattr(bench.pm, "sparse_case", lambda B, H, S, topk: case(B, H, S))
+    monkeypatch.setattr(bench, "_ours_sparse", ours)
+    bench.split_sweep([], counts, str(tmp_path), sparse_cases=[(1, 16, 4096, 2048)])
+    assert [k for k, _ in asked] == [k for k in ("bf16", "ds") for _ in counts]
+    log = (tmp_path / "bench_kernels_splits.md").read_text()
+    assert log.count("splits sparse B=1 H=16 S=4096 topk=2048 ") == 2 * len(counts)
