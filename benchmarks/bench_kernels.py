@@ -87,7 +87,7 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
     default = launch()
     if isinstance(config, SplitChoice):
         base = default.fallback if config.kernel == "tl_dot" and default.config.kernel != "tl_dot" else default.config
-        return with_splits(base, config.splits or base.num_splits, config.partials)
+        return base.replace(num_splits=config.splits or base.num_splits, partials=config.partials)
     if config == "tldot":
         if default.config.kernel == "tl_dot":
             raise SameKernel("the default path already runs the tl.dot kernel here")
@@ -114,15 +114,6 @@ class SplitChoice(NamedTuple):
     splits: Optional[int]
     partials: str = "fp32"
     kernel: str = "default"
-
-
-def with_splits(cfg, splits: int, partials: Optional[str] = None):
-    """``cfg`` (a DecodeConfig) with ``splits`` splits per row (and its partials in ``partials``, if given), every
-    other field as it is."""
-    from mla_inductor.kernels.decode import DecodeConfig
-
-    return DecodeConfig(cfg.block_h, cfg.block_n, int(splits), cfg.num_warps, cfg.num_stages, cfg.fp8_qk,
-                        cfg.fp16_mma, cfg.kernel, partials or cfg.partials)
 
 
 def _prepared(qn, qp, cache, block_table, lens, softmax_scale, kv_scale, sparse_indices, config):
@@ -448,9 +439,14 @@ def _write_log(out_dir, name: str, lines: list) -> None:
     report.write_results(out_dir, name, "\n".join(["```", *lines, "```"]), {"log": lines})
 
 
+def _flag(argv, flag: str):
+    """The value of the first ``flag=VALUE`` in ``argv``, else None."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")), None)
+
+
 def _split_counts(argv) -> "list[int] | None":
     """The counts ``--splits=8,16,...`` names (None without the flag); anything but positive integers is refused."""
-    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--splits=")), None)
+    given = _flag(argv, "--splits")
     if given is None:
         return None
     try:
@@ -462,34 +458,16 @@ def _split_counts(argv) -> "list[int] | None":
     return counts
 
 
-def _split_kinds(argv) -> tuple:
-    """The cache formats ``--kinds=bf16,ds`` names for ``--splits`` (all three without the flag)."""
-    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--kinds=")), None)
+def _choices(argv, flag: str, allowed: tuple, default: tuple, most: int = 0) -> tuple:
+    """The values ``flag=A,B`` names among ``allowed`` (at most ``most`` of them, if given), else ``default``."""
+    given = _flag(argv, flag)
     if given is None:
-        return CACHE_FORMATS
-    kinds = tuple(given.split(","))
-    if not kinds or set(kinds) - set(CACHE_FORMATS):
-        raise SystemExit(f"--kinds: expected cache formats among {list(CACHE_FORMATS)}; got {given!r}")
-    return kinds
-
-
-def _split_kernel(argv) -> str:
-    """The kernel ``--splits-kernel=default|tl_dot`` names for ``--splits`` ("default" without the flag)."""
-    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--splits-kernel=")), "default")
-    if given not in ("default", "tl_dot"):
-        raise SystemExit(f"--splits-kernel: expected 'default' or 'tl_dot'; got {given!r}")
-    return given
-
-
-def _split_partials(argv) -> tuple:
-    """The partials' dtypes ``--partials=fp32,bf16`` names for ``--splits`` (fp32 alone without the flag)."""
-    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--partials=")), None)
-    if given is None:
-        return ("fp32",)
-    dtypes = tuple(given.split(","))
-    if set(dtypes) - {"fp32", "bf16"}:
-        raise SystemExit(f"--partials: expected dtypes among ['fp32', 'bf16']; got {given!r}")
-    return dtypes
+        return default
+    chosen = tuple(given.split(","))
+    if set(chosen) - set(allowed) or (most and len(chosen) > most):
+        raise SystemExit(f"{flag}: expected {'one of' if most == 1 else 'values among'} {list(allowed)}; "
+                         f"got {given!r}")
+    return chosen
 
 
 def _shapes(argv, flag: str, default):
@@ -505,16 +483,13 @@ def main(argv=None):
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return
-    ours = next((a.split("=", 1)[1].split(",") for a in argv if a.startswith("--ours=")), OURS)
-    unknown = sorted(set(ours) - set(OURS))
-    if unknown:
-        raise SystemExit(f"--ours: unknown row(s) {unknown}; expected names among {list(OURS)}")
+    ours = _choices(argv, "--ours", OURS, OURS)
     counts = _split_counts(argv)
-    kinds = _split_kinds(argv)
-    partials = _split_partials(argv)
-    split_kernel = _split_kernel(argv)
+    kinds = _choices(argv, "--kinds", CACHE_FORMATS, CACHE_FORMATS)
+    partials = _choices(argv, "--partials", ("fp32", "bf16"), ("fp32",))
+    split_kernel, = _choices(argv, "--splits-kernel", ("default", "tl_dot"), ("default",), most=1)
     report.require_gpu("bench_kernels.py")
-    out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
+    out_dir = _flag(argv, "--out")
     if "--out" in argv:
         out_dir = argv[argv.index("--out") + 1]
     env = report.environment(("flashinfer", "flash_mla", "vllm"))
@@ -530,8 +505,8 @@ def main(argv=None):
                     counts, out_dir, kinds, partials, split_kernel, _shapes(argv, "--sparse-cases", []))
         return
     quick = "--quick" in argv
-    only = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")]
-    peer_names = [] if "--ours-only" in argv else [n for n in pm.PEERS if not only or n in only[0]]
+    only = _flag(argv, "--only")
+    peer_names = [] if "--ours-only" in argv else [n for n in pm.PEERS if not only or n in only.split(",")]
     sparse_peers = [] if "--ours-only" in argv else list(pm.SPARSE_PEERS)
     rows, results = [], {}
     if "--no-dense" not in argv:  # --cases: e.g. 128x16x4096,32x16x4096 (B x H x S)

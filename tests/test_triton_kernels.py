@@ -215,6 +215,8 @@ def test_bf16_partials(kv, dtype):
     with pytest.raises(ValueError, match="partials: expected one of"):
         DecodeConfig(16, 16, 2, 4, 1, partials="fp16")
     assert cfg(partials="bf16").with_kernel("tl_dot").partials == "bf16"
+    with pytest.raises(TypeError):
+        cfg().replace(splits=2)  # not a field
 
 
 @cpu_only
@@ -438,8 +440,8 @@ def test_split_heuristic_weighs_the_partials_traffic():
     assert gluon_splits(12, 128, 16384) == 5 and tk.choose_splits(12, 2, 16384, 64, 132) == 11
     # Three sequences: 22 splits (3 tiles each, 132 programs) were slower than 16 (4 tiles) on the GPU.
     assert gluon_splits(3, 128, 4096) == 16 and tk.choose_splits(3, 2, 4096, 64, 132) == 22
-    # No partials without a split: one-split costs are the same either way.
-    assert tk.choose_splits(2048, 2, 4096, 64, 132, partial_bytes=10**9) == 1
+    # Partials dear enough: one sequence is not split at all.
+    assert tk.choose_splits(1, 2, 4096, 64, 132, partial_bytes=10**9) == 1
 
 
 # ----------------------------------------------------------------------------- GPU tests
@@ -573,8 +575,7 @@ def test_gpu_bf16_partials(kv, dtype, kernel, ns):
     own = tk.tl_dot_config(2, H, 2048, torch.device("cuda"))  # the tl.dot kernel's tiling for this GPU
     config = {"gluon_sm90": DecodeConfig(64, 64, ns, 8, 2, kernel=kernel, partials="bf16"),
               "gluon_sm90_narrow": DecodeConfig(16, 64, ns, 4, 1, kernel=kernel, partials="bf16"),
-              "tl_dot": DecodeConfig(own.block_h, own.block_n, ns, own.num_warps, own.num_stages,
-                                     partials="bf16")}[kernel]
+              "tl_dot": own.replace(num_splits=ns, partials="bf16")}[kernel]
     check(c, config=config, tol=TOL[kv if kv != "same" else dtype])
     launch = tk.DecodeLaunch(**c, config=config)
     assert launch.config.kernel == kernel and launch.partial_dtype == torch.bfloat16

@@ -398,9 +398,12 @@ class DecodeConfig:
             raise ValueError(f"partials: expected one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
         self.partials = partials
 
+    def replace(self, **fields) -> "DecodeConfig":
+        """This configuration with ``fields`` (names of its slots) changed, every other one as it is."""
+        return DecodeConfig(**{name: fields.pop(name, getattr(self, name)) for name in self.__slots__}, **fields)
+
     def with_kernel(self, kernel: str) -> "DecodeConfig":
-        return DecodeConfig(self.block_h, self.block_n, self.num_splits, self.num_warps, self.num_stages,
-                            self.fp8_qk, self.fp16_mma, kernel, self.partials)
+        return self.replace(kernel=kernel)
 
     def __repr__(self) -> str:
         return (f"DecodeConfig({self.block_h}, {self.block_n}, ns={self.num_splits}, w={self.num_warps}, "
@@ -727,7 +730,7 @@ def _lse_offset(rows: int, L: int, dtype: torch.dtype) -> int:
     return -(-rows * L * dtype.itemsize // 16) * 4
 
 
-def _partial_views(workspace: torch.Tensor, T: int, H: int, ns: int, L: int, dtype: torch.dtype = torch.float32):
+def _partial_views(workspace: torch.Tensor, T: int, H: int, ns: int, L: int, dtype: torch.dtype):
     """(partial out [T, H, ns, L] of ``dtype``, partial lse [T, H, ns] fp32) at the front of a float32
     ``workspace``."""
     rows = T * H * ns
