@@ -431,7 +431,8 @@ def _next_pow2(x: int) -> int:
 # as one program's KV tile in the wave model below. H200, the 64-head Gluon kernel called directly, bf16, at the 17
 # shapes of ``bench_kernels.py --splits`` in docs/benchmarks.md section 1 (tenth run): with 3.0 MB and the counts
 # below, the model's pick is within 2% of the fastest count measured at every shape (geometric mean 1.001x); the
-# model without either missed by up to 1.31x (1.094x). Fitted on those measurements (3.5-4.0 MB left one at 1.05x);
+# model without either missed by up to 1.31x (1.094x): ``benchmarks/split_rule.py`` on the logs in
+# docs/data/splits-h200-2026-11-28. Chosen on those measurements (3.5-4.0 MB left one at 1.05x);
 # of seven shapes checked afterwards, two (16 (row, head block) pairs over 16 tiles) were 1.05x the fastest count.
 # fp8 and fp8_ds_mla caches: picks within 1% of theirs. Example: one sequence of 128 heads, 4k keys, 64 splits ->
 # 32, 21.0 -> 16.8 us in a CUDA graph; each of the 64 splits' programs wrote a 131 KB partial for 74 KB of cache.

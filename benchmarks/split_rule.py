@@ -1,0 +1,95 @@
+"""How well ``decode.choose_splits`` picks, read off ``bench_kernels.py --splits`` logs (no GPU needed).
+
+For every case and cache format a log times (fp32 partials, the default kernel), the split count the rule picks
+now and the one the old rule picked (the partials left out, every count weighed), each as its time over the fastest
+count the logs timed (CUDA-graph replay). A shape timed in several logs: the first log's figures.
+
+    python benchmarks/split_rule.py LOG.md [LOG.md ...] [--formats=bf16,fp8,ds] [--bytes-per-tile=3e6,3.5e6]
+           [--sms=132]
+
+``--formats`` keeps those cache formats' rows (all by default); ``--bytes-per-tile`` scores the rule at other
+values of ``decode.PARTIAL_BYTES_PER_TILE`` (the value was chosen so: by the picks it makes, not by a fit of the
+model's terms). The logs behind docs/benchmarks.md section 1, tenth run: docs/data/splits-h200-2026-11-28/.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+
+from mla_inductor.kernels import decode
+
+_ROW = re.compile(r"splits B=(\d+) H=(\d+) S=(\d+) (\w+)\s+(?:default \((\w+), ns=(\d+)\)|ns=(\d+)):\s+[\d.]+ us, "
+                  r"in a CUDA graph\s+([\d.]+)")
+_HEADS = {"gluon_sm90": 64, "gluon_sm90_narrow": 16}  # heads per program
+_PER_SM = {"gluon_sm90": 1, "gluon_sm90_narrow": 2}  # programs per SM
+BLOCK_N = 64  # keys per tile, both Gluon kernels
+
+
+def read_logs(paths) -> dict:
+    """{(B, H, S, format): {"kernel": name, "us": {splits: µs}}}; the first log's figure where several time one."""
+    cases: dict = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                m = _ROW.match(line.strip())
+                if not m:
+                    continue
+                case = cases.setdefault((int(m[1]), int(m[2]), int(m[3]), m[4]), {"kernel": None, "us": {}})
+                if m[5]:
+                    case["kernel"] = case["kernel"] or m[5]
+                case["us"].setdefault(int(m[6] or m[7]), float(m[8]))
+    return {k: v for k, v in cases.items() if v["kernel"] in _HEADS}
+
+
+def pick(case_key, kernel: str, sms: int, with_partials: bool) -> int:
+    B, H, S, _ = case_key
+    head_blocks = -(-H // _HEADS[kernel])
+    partial_bytes = B * H * (decode._hopper().L_DIM + 1) * 4 if with_partials else None
+    return decode.choose_splits(B, head_blocks, S, BLOCK_N, sms * _PER_SM[kernel], partial_bytes=partial_bytes)
+
+
+def score(cases: dict, sms: int, with_partials: bool) -> tuple:
+    """(per-case lines, geometric mean and worst of time-at-pick over fastest, cases whose pick was not timed)."""
+    lines, logs, untimed = [], [], 0
+    for key, case in sorted(cases.items()):
+        ns, us = pick(key, case["kernel"], sms, with_partials), case["us"]
+        best = min(us, key=us.get)
+        if ns in us:
+            logs.append(math.log(us[ns] / us[best]))
+            lines.append(f"  B={key[0]} H={key[1]} S={key[2]} {key[3]:<4}: picks {ns} ({us[ns]:.1f} us, "
+                         f"{us[ns] / us[best]:.2f}x the fastest, {best}: {us[best]:.1f})")
+        else:
+            untimed += 1
+            lines.append(f"  B={key[0]} H={key[1]} S={key[2]} {key[3]:<4}: picks {ns} (not timed)")
+    geo = math.exp(sum(logs) / len(logs)) if logs else float("nan")
+    return lines, geo, max((math.exp(v) for v in logs), default=float("nan")), untimed
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return
+    logs = [a for a in argv if not a.startswith("--")]
+    flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    sms = int(flags.get("sms", 132))
+    formats = flags.get("formats", "bf16,fp8,ds").split(",")
+    cases = {k: v for k, v in read_logs(logs).items() if k[3] in formats}
+    if not cases:
+        raise SystemExit(f"no --splits rows of a Gluon kernel in {logs}")
+    lines, geo, worst, untimed = score(cases, sms, with_partials=False)
+    print(f"old rule (partials left out, every count): geomean {geo:.3f}x, worst {worst:.2f}x, {untimed} untimed")
+    print("\n".join(lines))
+    for bpt in [float(v) for v in flags.get("bytes-per-tile", str(decode.PARTIAL_BYTES_PER_TILE)).split(",")]:
+        kept, decode.PARTIAL_BYTES_PER_TILE = decode.PARTIAL_BYTES_PER_TILE, bpt
+        try:
+            lines, geo, worst, untimed = score(cases, sms, with_partials=True)
+        finally:
+            decode.PARTIAL_BYTES_PER_TILE = kept
+        print(f"rule at {bpt / 1e6:.1f} MB a tile: geomean {geo:.3f}x, worst {worst:.2f}x, {untimed} untimed")
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
