@@ -440,6 +440,17 @@ def test_split_heuristic_weighs_the_partials_traffic():
     assert gluon_splits(12, 128, 16384) == 5 and tk.choose_splits(12, 2, 16384, 64, 132) == 11
     # Three sequences: 22 splits (3 tiles each, 132 programs) were slower than 16 (4 tiles) on the GPU.
     assert gluon_splits(3, 128, 4096) == 16 and tk.choose_splits(3, 2, 4096, 64, 132) == 22
+    # From 32 rows up the two models agree at every shape docs/benchmarks.md names (B=32-256, H=8-128, S=1k-128k);
+    # below they differ (sparse calls at top-k 2048 up to B=8: one sequence of 128 heads 32 -> 16).
+    for T in (32, 64, 128, 256):
+        for H in (8, 16, 32, 64, 128):
+            for S in (1024, 4096, 8192, 32768, 131072):
+                assert gluon_splits(T, H, S) == tk.choose_splits(T, -(-H // 64), S, 64, 132), (T, H, S)
+                if H <= 16:  # the 16-head variant (fp8 caches): 16 heads per program, two programs per SM
+                    assert tk.choose_splits(T, 1, S, 64, 264, partial_bytes=T * H * 513 * 4) == \
+                        tk.choose_splits(T, 1, S, 64, 264), (T, H, S)
+    assert (gluon_splits(1, 128, 2048), tk.choose_splits(1, 2, 2048, 64, 132)) == (16, 32)
+    assert gluon_splits(8, 64, 2048) != tk.choose_splits(8, 1, 2048, 64, 132)
     # Partials dear enough: one sequence is not split at all.
     assert tk.choose_splits(1, 2, 4096, 64, 132, partial_bytes=10**9) == 1
 
