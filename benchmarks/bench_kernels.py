@@ -10,7 +10,7 @@ calls too.
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
     python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds]
-           [--partials=fp32,bf16] [--splits-kernel=default|tl_dot] [--sparse-cases=BxHxSxTOPK,...] [--out DIR]
+           [--splits-kernel=default|tl_dot] [--sparse-cases=BxHxSxTOPK,...] [--out DIR]
 
 Peers are found by import (``benchmarks/peers.py``: FlashMLA, FlashInfer, vLLM's Triton MLA); one that is
 not installed is reported and skipped. Every row is measured the same way: ``triton.testing.do_bench``
@@ -21,10 +21,9 @@ ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a
 ``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
 times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, on
-the cache formats ``--kinds`` names (all three by default), with the split partials in each dtype ``--partials``
-names (fp32 by default), on our default kernel or (``--splits-kernel=tl_dot``) the ``tl.dot`` kernel it falls back
-to, and on the sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the data behind
-``decode.choose_splits`` and ``DecodeConfig.partials``.
+the cache formats ``--kinds`` names (all three by default), on our default kernel or (``--splits-kernel=tl_dot``)
+the ``tl.dot`` kernel it falls back to, and on the sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the
+data behind ``decode.choose_splits``.
 """
 from __future__ import annotations
 
@@ -87,7 +86,7 @@ def _forced(config, qn, qp, cache, c, kv_scale, sparse_indices):
     default = launch()
     if isinstance(config, SplitChoice):
         base = default.fallback if config.kernel == "tl_dot" and default.config.kernel != "tl_dot" else default.config
-        return base.replace(num_splits=config.splits or base.num_splits, partials=config.partials)
+        return base.replace(num_splits=config.splits or base.num_splits)
     if config == "tldot":
         if default.config.kernel == "tl_dot":
             raise SameKernel("the default path already runs the tl.dot kernel here")
@@ -107,12 +106,10 @@ class SameKernel(Exception):
 
 
 class SplitChoice(NamedTuple):
-    """A row's config given as a split count (None: the default's), the partials' dtype ("fp32" or "bf16",
-    ``DecodeConfig.partials``) and the kernel ("default", or "tl_dot": the launch configuration the default falls
-    back to on the ``tl.dot`` kernel): that launch configuration with those."""
+    """A row's config given as a split count (None: the default's) and the kernel ("default", or "tl_dot": the
+    launch configuration the default falls back to on the ``tl.dot`` kernel): that launch configuration with those."""
 
     splits: Optional[int]
-    partials: str = "fp32"
     kernel: str = "default"
 
 
@@ -346,12 +343,11 @@ def sweep(out_dir):
 CACHE_FORMATS = ("bf16", "fp8", "ds")
 
 
-def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",), kernel="default", sparse_cases=()):
+def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, kernel="default", sparse_cases=()):
     """Our default kernel (``kernel="tl_dot"``: the ``tl.dot`` kernel the default falls back to) on each case at
-    each split count of ``counts`` (the other launch parameters the default's) and at the default's own, with its
-    split partials in each dtype of ``partials``: µs launch after launch (``do_bench``) and replayed in a CUDA
-    graph, for tuning ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few), and the
-    partials' dtype (``DecodeConfig.partials``). ``sparse_cases`` (B, H, S, top-k): sparse calls too, on the
+    each split count of ``counts`` (the other launch parameters the default's) and at the default's own: µs launch
+    after launch (``do_bench``) and replayed in a CUDA graph, for tuning
+    ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few). ``sparse_cases`` (B, H, S, top-k): sparse calls too, on the
     formats of ``kinds`` a sparse call takes (bf16, fp8_ds_mla)."""
     import triton
 
@@ -371,13 +367,12 @@ def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, partials=("fp32",),
         return f" ({cfg.kernel}, ns={cfg.num_splits})" + timed(fn, ref)
 
     def sweep(ours, c, case_label, kind):
-        for dtype in partials:
-            label = f"{case_label} {kind:<4}" + ("" if dtype == "fp32" else f" partials={dtype}")
-            own = {}
-            _log_line(lines, f"{label} default", lambda: row(ours, c, kind, SplitChoice(None, dtype, kernel), own))
-            for n in counts:
-                if "config" not in own or n != own["config"].num_splits:
-                    _log_line(lines, f"{label} ns={n}", lambda: row(ours, c, kind, SplitChoice(n, dtype, kernel)))
+        label = f"{case_label} {kind:<4}"
+        own = {}
+        _log_line(lines, f"{label} default", lambda: row(ours, c, kind, SplitChoice(None, kernel), own))
+        for n in counts:
+            if "config" not in own or n != own["config"].num_splits:
+                _log_line(lines, f"{label} ns={n}", lambda: row(ours, c, kind, SplitChoice(n, kernel)))
 
     lines = []
     for B, H, S in cases:
@@ -486,7 +481,6 @@ def main(argv=None):
     ours = _choices(argv, "--ours", OURS, OURS)
     counts = _split_counts(argv)
     kinds = _choices(argv, "--kinds", CACHE_FORMATS, CACHE_FORMATS)
-    partials = _choices(argv, "--partials", ("fp32", "bf16"), ("fp32",))
     split_kernel, = _choices(argv, "--splits-kernel", ("default", "tl_dot"), ("default",), most=1)
     report.require_gpu("bench_kernels.py")
     out_dir = _flag(argv, "--out")
@@ -502,7 +496,7 @@ def main(argv=None):
         return
     if counts is not None:
         split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),
-                    counts, out_dir, kinds, partials, split_kernel, _shapes(argv, "--sparse-cases", []))
+                    counts, out_dir, kinds, split_kernel, _shapes(argv, "--sparse-cases", []))
         return
     quick = "--quick" in argv
     only = _flag(argv, "--only")

@@ -63,7 +63,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         T, heads, L = launch.out_shape
         out = torch.empty(*launch.out_shape, dtype=launch.out_dtype, device="cuda")
         lse = torch.empty(*launch.lse_shape, dtype=torch.float32, device="cuda")
-        pout, plse = decode_kernels._alloc_partials(T, heads, launch.splits, L, launch.device, launch.partial_dtype)
+        pout, plse = decode_kernels._alloc_partials(T, heads, launch.splits, L, launch.device)
         tensors = (q_nope, q_pe, kv, table, lens, table, kv_scale, out, lse, pout, plse)
         rows = []
         with mla_inductor.prefer_backends("triton"):
@@ -98,8 +98,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         ]
         if launch.merge is not None:
             rows += [("split-KV workspace, fresh (one allocation, two views)",
-                      lambda: decode_kernels._alloc_partials(T, heads, launch.splits, L, launch.device,
-                                                             launch.partial_dtype)),
+                      lambda: decode_kernels._alloc_partials(T, heads, launch.splits, L, launch.device)),
                      ("split-KV workspace, kept", lambda: decode_kernels._split_partials(launch))]
         rows += [
             ("a no-op dispatcher call (aten.alias)", lambda: torch.ops.aten.alias(q_nope)),

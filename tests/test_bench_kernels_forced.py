@@ -94,9 +94,6 @@ def test_a_split_count_row_keeps_the_default_config_but_its_splits(bench, fp8):
     qn, qp, cache, c, kv_scale = args
     own = dk.DecodeLaunch(qn, qp, cache, c["block_table"], c["lens"], c["scale"], kv_scale, None).config
     assert cfg.num_splits == 7 and repr(cfg.replace(num_splits=own.num_splits)) == repr(own)
-    # The default's own count with bf16 partials: only the partials differ.
-    half = bench._forced(bench.SplitChoice(None, "bf16"), *args, None)
-    assert half.partials == "bf16" and repr(half.replace(partials="fp32")) == repr(own)
     assert bench._forced(bench.SplitChoice(5, kernel="tl_dot"), *args, None).kernel == "tl_dot"
 
 
@@ -109,10 +106,9 @@ def test_bad_split_counts_are_refused(bench, flag):
 @pytest.mark.parametrize("flag,message", [("--kinds=bf17", "--kinds: expected values among"),
                                           ("--kinds=", "--kinds: expected values among"),
                                           ("--kinds=bf16,fp4", "--kinds: expected values among"),
-                                          ("--partials=fp16", "--partials: expected values among"),
                                           ("--splits-kernel=gluon", "--splits-kernel: expected one of"),
                                           ("--splits-kernel=default,tl_dot", "--splits-kernel: expected one of")])
-def test_bad_split_kinds_and_partials_are_refused(bench, flag, message):
+def test_bad_split_kinds_and_kernels_are_refused(bench, flag, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(["--splits=8", flag])
 
@@ -132,7 +128,7 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
 
     def ours(c, kind, config=None):
         # The row's launch, as _prepared hands it over: the default's configuration for the default row (with
-        # the kernel's and partials' names the choice gives).
+        # the kernel's name the choice gives).
         asked.append((kind, config))
 
         def run():
@@ -151,20 +147,13 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     counts = sorted({1, 2, default_ns})
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path))
     assert [k for k, _ in asked] == [k for k in ("bf16", "fp8", "ds") for _ in counts]
-    assert all(cfg is None or (isinstance(cfg, bench.SplitChoice) and cfg.splits != default_ns and
-                               cfg.partials == "fp32") for _, cfg in asked)
+    assert all(cfg is None or (isinstance(cfg, bench.SplitChoice) and cfg.splits != default_ns)
+               for _, cfg in asked)
     log = (tmp_path / "bench_kernels_splits.md").read_text()
     assert log.count(f"default (tl_dot, ns={default_ns}): ") == 3 and "12.3 us, in a CUDA graph     10.1 us" in log
     asked.clear()
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("ds",))
     assert [k for k, _ in asked] == ["ds"] * len(counts)
-    # --partials=fp32,bf16: each count twice, the bf16 rows labelled (and their default given as a SplitChoice).
-    asked.clear()
-    bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("bf16",), partials=("fp32", "bf16"))
-    assert [cfg for _, cfg in asked][len(counts):] == [bench.SplitChoice(None, "bf16")] + [
-        bench.SplitChoice(n, "bf16") for n in counts if n != default_ns]
-    log = (tmp_path / "bench_kernels_splits.md").read_text()
-    assert log.count("bf16 partials=bf16 ") == len(counts) and log.count("partials=") == len(counts)
     # --splits-kernel=tl_dot: every row's choice names the kernel.
     asked.clear()
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("bf16",), kernel="tl_dot")

@@ -22,7 +22,7 @@ H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
 
 
 def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False,
-                      kernel: str = "gluon_sm90", partials: str = "fp32"):
+                      kernel: str = "gluon_sm90"):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -32,7 +32,7 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
     names = fn.arg_names
     kv = {0: "*" + qdt, 1: "*fp8e4nv", 2: "*fp8e4nv"}[kv_mode]  # fp8_ds_mla rows are read through an e4m3 pointer
     sig = {"QN": "*" + qdt, "QP": "*" + qdt, "KV": kv, "BT": "*i32", "SEQ": "*i32", "SPARSE": "*i32",
-           "KV_SCALE": "*fp32", "OUT": "*" + qdt, "LSE": "*fp32", "POUT": "*" + partials, "PLSE": "*fp32",
+           "KV_SCALE": "*fp32", "OUT": "*" + qdt, "LSE": "*fp32", "POUT": "*fp32", "PLSE": "*fp32",
            "qk_scale": "fp32"}
     for n in names[len(sig):names.index("L")]:
         sig[n] = "i32"
@@ -51,27 +51,23 @@ def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt:
                           options=dict(num_warps=num_warps))
 
 
-CASES = [("gluon_sm90", kv_mode, qdt, tiling, splits, False, "fp32")
+CASES = [("gluon_sm90", kv_mode, qdt, tiling, splits, False)
          for kv_mode, qdt in [(0, "bf16"), (0, "fp16"), (1, "bf16"), (2, "bf16")]
          for tiling in dh.TILINGS for splits in (1, 3)]
 # Sparse calls (a slot list per row): the two formats DeepSeek's sparse attention stores, default tiling.
-CASES += [("gluon_sm90", kv_mode, "bf16", dh.TILINGS[0], splits, True, "fp32") for kv_mode in (0, 2)
-          for splits in (1, 3)]
+CASES += [("gluon_sm90", kv_mode, "bf16", dh.TILINGS[0], splits, True) for kv_mode in (0, 2) for splits in (1, 3)]
 # The 16-head variant: fp8 caches, dense and sparse.
-CASES += [("gluon_sm90_narrow", kv_mode, "bf16", (dh.NARROW_BLOCK_N, 1), splits, sparse, "fp32") for kv_mode in (1, 2)
+CASES += [("gluon_sm90_narrow", kv_mode, "bf16", (dh.NARROW_BLOCK_N, 1), splits, sparse) for kv_mode in (1, 2)
           for splits in (1, 3) for sparse in (False, True)]
-# Split partials in bf16 (DecodeConfig.partials), both kernels, every cache format.
-CASES += [("gluon_sm90", kv_mode, "bf16", dh.TILINGS[0], 3, False, "bf16") for kv_mode in (0, 1, 2)]
-CASES += [("gluon_sm90_narrow", kv_mode, "bf16", (dh.NARROW_BLOCK_N, 1), 3, False, "bf16") for kv_mode in (1, 2)]
 
 
 def _compile_all() -> dict:
     """Compile every case; {case: {shared, wgmma, cp16} or {error}} (run in a process without the interpreter)."""
     report = {}
-    for kernel, kv_mode, qdt, (block_n, stages), splits, sparse, partials in CASES:
-        key = f"{kernel}-{kv_mode}-{qdt}-{block_n}-{stages}-{splits}-{sparse}-{partials}"
+    for kernel, kv_mode, qdt, (block_n, stages), splits, sparse in CASES:
+        key = f"{kernel}-{kv_mode}-{qdt}-{block_n}-{stages}-{splits}-{sparse}"
         try:
-            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse, kernel, partials)
+            k = _compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse, kernel)
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
             report[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
             continue
@@ -104,9 +100,9 @@ def compiled():
 
 
 @needs_gluon
-@pytest.mark.parametrize("kernel,kv_mode,qdt,tiling,splits,sparse,partials", CASES)
-def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits, sparse, partials):
-    got = compiled[f"{kernel}-{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}-{sparse}-{partials}"]
+@pytest.mark.parametrize("kernel,kv_mode,qdt,tiling,splits,sparse", CASES)
+def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits, sparse):
+    got = compiled[f"{kernel}-{kv_mode}-{qdt}-{tiling[0]}-{tiling[1]}-{splits}-{sparse}"]
     assert "error" not in got, got.get("error")
     # The 16-head variant is written for two programs per SM.
     per_sm = 2 if kernel == "gluon_sm90_narrow" else 1
@@ -288,9 +284,8 @@ def test_gluon_config_at_32_heads_and_an_unknown_kernel(monkeypatch):
 MERGE_SHAPES = [(16, 128, True), (16, 128, False), (16, 512, True), (16, 512, False), (2, 512, True)]
 
 
-def _merge_spills(shapes=MERGE_SHAPES, partials: str = "fp32") -> dict:
-    """ptxas's spill bytes for the split merge compiled for SM90 in each launch shape ({shape: bytes or error}),
-    reading partials of dtype ``partials``."""
+def _merge_spills(shapes=MERGE_SHAPES) -> dict:
+    """ptxas's spill bytes for the split merge compiled for SM90 in each launch shape ({shape: bytes or error})."""
     import tempfile
 
     import triton
@@ -298,7 +293,7 @@ def _merge_spills(shapes=MERGE_SHAPES, partials: str = "fp32") -> dict:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    sig = {"POUT": "*" + partials, "PLSE": "*fp32", "OUT": "*bf16", "LSE": "*fp32", "NUM_SPLITS": "i32",
+    sig = {"POUT": "*fp32", "PLSE": "*fp32", "OUT": "*bf16", "LSE": "*fp32", "NUM_SPLITS": "i32",
            "L": "constexpr", "BLOCK_S": "constexpr", "BLOCK_L": "constexpr", "ONE_STEP": "constexpr"}
     report = {}
     for block_s, block_l, one_step in shapes:
@@ -331,9 +326,7 @@ def _ptxas_for_sm90(get_ptxas) -> str:
 def test_the_split_merge_compiles_for_sm90_without_spilling():
     # The merge used to hold every split's whole row at once, which spilled at 128 splits (docs/triton_notes.md,
     # "The split merge"); the last shape is that old way, so the check itself is seen to catch a spill.
-    # Partials in bf16 (DecodeConfig.partials) too.
-    report, bf16 = _in_a_compiling_process(
-        f"[t._merge_spills({MERGE_SHAPES + [(128, 512, True)]!r}), t._merge_spills({MERGE_SHAPES!r}, 'bf16')]")
+    report = _in_a_compiling_process(f"t._merge_spills({MERGE_SHAPES + [(128, 512, True)]!r})")
     old_way = report.pop("128-512-True")
-    assert report == bf16 == {f"{s}-{c}-{o}": 0 for s, c, o in MERGE_SHAPES}, (report, bf16)
+    assert report == {f"{s}-{c}-{o}": 0 for s, c, o in MERGE_SHAPES}, report
     assert isinstance(old_way, int) and old_way > 0, old_way

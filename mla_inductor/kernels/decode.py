@@ -296,15 +296,13 @@ if _HAVE_TRITON:
             tl.store(o_base + 3 * LC, (acc3 * inv2).to(odt), mask=hmask[:, None])
             tl.store(LSE + row.to(tl.int64) * H + offs_h, lse2 * 0.6931471805599453, mask=hmask)
         else:
-            # Partial results: [T, H, NUM_SPLITS, L] (fp32, or bf16: DecodeConfig.partials) and [T, H, NUM_SPLITS]
-            # fp32 (log2 domain).
+            # Partial results: [T, H, NUM_SPLITS, L] fp32 and [T, H, NUM_SPLITS] (log2 domain).
             ph = (row.to(tl.int64) * H + offs_h) * NUM_SPLITS + split
             p_base = POUT + ph[:, None] * L + offs_c[None, :]
-            pdt = POUT.dtype.element_ty
-            tl.store(p_base, (acc0 * inv2).to(pdt), mask=hmask[:, None])
-            tl.store(p_base + LC, (acc1 * inv2).to(pdt), mask=hmask[:, None])
-            tl.store(p_base + 2 * LC, (acc2 * inv2).to(pdt), mask=hmask[:, None])
-            tl.store(p_base + 3 * LC, (acc3 * inv2).to(pdt), mask=hmask[:, None])
+            tl.store(p_base, acc0 * inv2, mask=hmask[:, None])
+            tl.store(p_base + LC, acc1 * inv2, mask=hmask[:, None])
+            tl.store(p_base + 2 * LC, acc2 * inv2, mask=hmask[:, None])
+            tl.store(p_base + 3 * LC, acc3 * inv2, mask=hmask[:, None])
             tl.store(PLSE + ph, lse2, mask=hmask)
 
     @triton.jit
@@ -328,7 +326,7 @@ if _HAVE_TRITON:
             empty = tot == 0.0
             wn = w / tl.where(empty, 1.0, tot)
             part = tl.load(POUT + (rh * NUM_SPLITS + offs_s[:, None]) * L + offs_l[None, :], mask=smask[:, None],
-                           other=0.0).to(tl.float32)
+                           other=0.0)
             o = tl.sum(part * wn[:, None], 0)
         else:
             m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
@@ -345,7 +343,7 @@ if _HAVE_TRITON:
                 w = tl.exp2(lse - m_safe)  # 0 for empty splits
                 tot += tl.sum(w, 0)
                 part = tl.load(POUT + (rh * NUM_SPLITS + s0 + offs_s[:, None]) * L + offs_l[None, :],
-                               mask=smask[:, None], other=0.0).to(tl.float32)
+                               mask=smask[:, None], other=0.0)
                 o += tl.sum(part * w[:, None], 0)
             empty = tot == 0.0
             o = o / tl.where(empty, 1.0, tot)
@@ -356,7 +354,6 @@ if _HAVE_TRITON:
 
 
 KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
-PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The split merge's tile: splits per step of its loop, output columns per program below MERGE_WHOLE_ROWS_FROM
 # (row, head) pairs. H200, the merge alone (a one-off script, docs/triton_notes.md), old (one program per pair,
 # every split at once) vs new: T*H=64 with 128 splits 82.6 -> 20.0 us, T*H=16 with 256 splits 173.2 -> 29.7 (the old
@@ -371,16 +368,12 @@ class DecodeConfig:
     interpreter), "gluon_sm90" (``decode_hopper``, the Gluon kernel for SM90: 64 heads per program, dense and
     sparse calls on bf16/fp16, fp8_e4m3 or fp8_ds_mla caches with L=512, R=64) or "gluon_sm90_narrow" (its variant
     for 16 heads per program, fp8_e4m3 and fp8_ds_mla caches; BLOCK_N 64, 4 warps). For "gluon_sm90"
-    ``num_stages`` is its pipeline depth; the narrow variant has none; both ignore ``fp8_qk`` / ``fp16_mma``.
-    ``partials``: the dtype of the split partials' output rows, "fp32" or "bf16" (half the bytes the decode writes
-    and the merge reads back, one bf16 rounding more; the log-sum-exps stay fp32)."""
+    ``num_stages`` is its pipeline depth; the narrow variant has none; both ignore ``fp8_qk`` / ``fp16_mma``."""
 
-    __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel",
-                 "partials")
+    __slots__ = ("block_h", "block_n", "num_splits", "num_warps", "num_stages", "fp8_qk", "fp16_mma", "kernel")
 
     def __init__(self, block_h: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
-                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None, kernel: str = "tl_dot",
-                 partials: str = "fp32"):
+                 fp8_qk: str = "auto", fp16_mma: Optional[bool] = None, kernel: str = "tl_dot"):
         self.block_h = block_h
         self.block_n = block_n
         self.num_splits = num_splits
@@ -394,9 +387,6 @@ class DecodeConfig:
         if kernel not in KERNELS:
             raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
-        if partials not in PARTIAL_DTYPES:
-            raise ValueError(f"partials: expected one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
-        self.partials = partials
 
     def replace(self, **fields) -> "DecodeConfig":
         """This configuration with ``fields`` (names of its slots) changed, every other one as it is."""
@@ -407,8 +397,7 @@ class DecodeConfig:
 
     def __repr__(self) -> str:
         return (f"DecodeConfig({self.block_h}, {self.block_n}, ns={self.num_splits}, w={self.num_warps}, "
-                f"st={self.num_stages}, qk={self.fp8_qk}, f16={self.fp16_mma}, kernel={self.kernel}, "
-                f"partials={self.partials})")
+                f"st={self.num_stages}, qk={self.fp8_qk}, f16={self.fp16_mma}, kernel={self.kernel})")
 
 
 _SM_COUNT = {}
@@ -687,17 +676,17 @@ def _split_partials(launch: "DecodeLaunch"):
     """The partials of ``launch``'s eager split-KV call: views of the kept workspace of the current stream (made
     again only when that workspace changed), else a fresh ``_alloc_partials``."""
     T, H, L = launch.out_shape
-    ns, device, dtype = launch.splits, launch.device, launch.partial_dtype
-    numel = _partials_numel(T * H * ns, L, dtype)
+    ns, device = launch.splits, launch.device
+    numel = T * H * ns * (L + 1)
     if device.type != "cuda" or numel * 4 > WORKSPACE_KEEP_BYTES or _capturing():
-        return _alloc_partials(T, H, ns, L, device, dtype)
+        return _alloc_partials(T, H, ns, L, device)
     key = (device.index, _current_stream(device.index))
     workspace = _WORKSPACES.get(key)
     if workspace is None or workspace.numel() < numel:
         workspace = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
     kept = launch.partials
     if kept is None or kept[0] is not workspace:
-        kept = launch.partials = (workspace, *_partial_views(workspace, T, H, ns, L, dtype))
+        kept = launch.partials = (workspace, *_partial_views(workspace, T, H, ns, L))
     return kept[1], kept[2]
 
 
@@ -714,30 +703,18 @@ def _scratch_lse(launch: "DecodeLaunch") -> Optional[torch.Tensor]:
     return scratch
 
 
-def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device, dtype: torch.dtype = torch.float32):
-    """Split-KV workspace: normalised partial outputs [T, H, ns, L] (``dtype``) and log2-domain lse [T, H, ns]
-    (fp32), two views of one allocation (an allocation costs several µs of a short call's host time on a GPU)."""
-    workspace = torch.empty(_partials_numel(T * H * ns, L, dtype), dtype=torch.float32, device=device)
-    return _partial_views(workspace, T, H, ns, L, dtype)
+def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
+    """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns], two views
+    of one allocation (an allocation costs several µs of a short call's host time on a GPU)."""
+    workspace = torch.empty(T * H * ns * (L + 1), dtype=torch.float32, device=device)
+    return _partial_views(workspace, T, H, ns, L)
 
 
-def _partials_numel(rows: int, L: int, dtype: torch.dtype) -> int:
-    """float32 elements of a workspace holding ``rows`` partial output rows of ``dtype`` and their lse."""
-    return _lse_offset(rows, L, dtype) + rows
-
-
-def _lse_offset(rows: int, L: int, dtype: torch.dtype) -> int:
-    """Where the lse part of a workspace starts, in float32 elements: after the output rows, 16-byte aligned."""
-    return -(-rows * L * dtype.itemsize // 16) * 4
-
-
-def _partial_views(workspace: torch.Tensor, T: int, H: int, ns: int, L: int, dtype: torch.dtype):
-    """(partial out [T, H, ns, L] of ``dtype``, partial lse [T, H, ns] fp32) at the front of a float32
-    ``workspace``."""
+def _partial_views(workspace: torch.Tensor, T: int, H: int, ns: int, L: int):
+    """(partial out [T, H, ns, L], partial lse [T, H, ns]) at the front of a float32 ``workspace``. The lse part
+    starts T*H*ns*L floats in: 16-byte aligned, as L is a multiple of 4."""
     rows = T * H * ns
-    start = _lse_offset(rows, L, dtype)
-    out = workspace[:start].view(dtype)[:rows * L].view(T, H, ns, L)
-    return out, workspace[start:start + rows].view(T, H, ns)
+    return workspace[:rows * L].view(T, H, ns, L), workspace[rows * L:rows * (L + 1)].view(T, H, ns)
 
 
 def _paged_decode_impl(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale,
@@ -869,7 +846,6 @@ class DecodeLaunch:
                      c["DOT_PREC"], c["EMULATE"], fp8_qk == "reload", fp8_qk == "swap", fp16_mma)
         grid = (T * ns * triton.cdiv(H, cfg.block_h),)
         self.splits = ns
-        self.partial_dtype = PARTIAL_DTYPES[cfg.partials]
         self.partials = None
         if cfg.kernel != "tl_dot":
             # Same arguments; the pipeline depth is a constexpr of its own (Gluon has no num_stages).
@@ -933,7 +909,7 @@ class DecodeLaunch:
                 pout, plse = _split_partials(self)
             else:
                 T, H, L = self.out_shape
-                pout, plse = _alloc_partials(T, H, self.splits, L, self.device, self.partial_dtype)
+                pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
         else:
             pout, plse = out, lse  # unused
         self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse)

@@ -451,7 +451,7 @@ if HAVE_GLUON:
             gl.store(LSE + row.to(gl.int64) * H + offs_h_s, lse2 * 0.6931471805599453, mask=hmask_s)
         else:
             ph_o = (row.to(gl.int64) * H + offs_h_o) * NUM_SPLITS + split
-            gl.store(POUT + ph_o[:, None] * L + offs_l_o[None, :], out.to(POUT.dtype.element_ty), mask=hmask_o[:, None])
+            gl.store(POUT + ph_o[:, None] * L + offs_l_o[None, :], out, mask=hmask_o[:, None])
             ph_s = (row.to(gl.int64) * H + offs_h_s) * NUM_SPLITS + split
             gl.store(PLSE + ph_s, lse2, mask=hmask_s)
 
