@@ -20,10 +20,11 @@ measured time over max(bytes / HBM_BPS, FLOPs / PEAK_FLOPS), the H100 SXM bound 
 ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a plot, with matplotlib).
 ``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
-times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, on
-the cache formats ``--kinds`` names (all three by default), on our default kernel or (``--splits-kernel=tl_dot``)
-the ``tl.dot`` kernel it falls back to, and on the sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the
-data behind ``decode.choose_splits``.
+times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, with
+each kernel's device time (the decode, the split merge), on the cache formats ``--kinds`` names (all three by
+default), on our default kernel or (``--splits-kernel=tl_dot``) the ``tl.dot`` kernel it falls back to, and on the
+sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the data behind ``decode.choose_splits`` and the
+merge's tiles.
 """
 from __future__ import annotations
 
@@ -343,10 +344,26 @@ def sweep(out_dir):
 CACHE_FORMATS = ("bf16", "fp8", "ds")
 
 
+def _kernel_times(fn, calls: int = 20) -> dict:
+    """{kernel name: mean device µs per call} of ``fn``'s launches (torch.profiler): which kernel of a call (the
+    decode, the split merge) takes its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / calls
+    return times
+
+
 def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, kernel="default", sparse_cases=()):
     """Our default kernel (``kernel="tl_dot"``: the ``tl.dot`` kernel the default falls back to) on each case at
     each split count of ``counts`` (the other launch parameters the default's) and at the default's own: µs launch
-    after launch (``do_bench``) and replayed in a CUDA graph, for tuning
+    after launch (``do_bench``) and replayed in a CUDA graph, and each kernel's device time, for tuning
     ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few). ``sparse_cases`` (B, H, S, top-k): sparse calls too, on the
     formats of ``kinds`` a sparse call takes (bf16, fp8_ds_mla)."""
     import triton
@@ -357,7 +374,8 @@ def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, kernel="default", s
         err = _err(out, ref)
         eager = _bench(fn)
         graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-        return f": {eager*1e3:8.1f} us, in a CUDA graph {graph*1e3:8.1f} us, err={err:.1e}"
+        kernels = ", ".join(f"{name} {us:.1f}" for name, us in _kernel_times(fn).items())
+        return f": {eager*1e3:8.1f} us, in a CUDA graph {graph*1e3:8.1f} us, err={err:.1e} (device us: {kernels})"
 
     def row(ours, c, kind, choice, own=None):
         fn, ref, _ = ours(c, kind, None if choice == SplitChoice(None) else choice)

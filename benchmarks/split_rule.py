@@ -6,10 +6,14 @@ count the logs timed (CUDA-graph replay). A shape timed in several logs: the fir
 
     python benchmarks/split_rule.py LOG.md [LOG.md ...] [--formats=bf16,fp8,ds] [--bytes-per-tile=3e6,3.5e6]
            [--sms=132]
+    python benchmarks/split_rule.py --compare BEFORE.md AFTER.md [AFTER.md ...]
 
-``--formats`` keeps those cache formats' rows (all by default); ``--bytes-per-tile`` scores the rule at other
+``--formats`` keeps those cache formats' rows (all by default; sparse calls' as ``sparse-bf16``, ``sparse-ds``); ``--bytes-per-tile`` scores the rule at other
 values of ``decode.PARTIAL_BYTES_PER_TILE`` (the value was chosen so: by the picks it makes, not by a fit of the
-model's terms). The logs behind docs/benchmarks.md section 1, tenth run: docs/data/splits-h200-2026-11-28/.
+model's terms). ``--compare``: the rows the logs share (same case, format and split count), CUDA-graph µs in each
+and after over before, with each kernel's device µs where the log has them (a change's before/after: the same
+``--splits`` command on two builds). The logs behind docs/benchmarks.md section 1, tenth and eleventh runs:
+docs/data/splits-h200-2026-11-28/.
 """
 from __future__ import annotations
 
@@ -19,15 +23,16 @@ import sys
 
 from mla_inductor.kernels import decode
 
-_ROW = re.compile(r"splits B=(\d+) H=(\d+) S=(\d+) (\w+)\s+(?:default \((\w+), ns=(\d+)\)|ns=(\d+)):\s+[\d.]+ us, "
-                  r"in a CUDA graph\s+([\d.]+)")
+_ROW = re.compile(r"splits (sparse )?B=(\d+) H=(\d+) S=(\d+)(?: topk=(\d+))? (\w+)\s+"
+                  r"(?:default \((\w+), ns=(\d+)\)|ns=(\d+)):\s+[\d.]+ us, in a CUDA graph\s+([\d.]+)")
 _HEADS = {"gluon_sm90": 64, "gluon_sm90_narrow": 16}  # heads per program
 _PER_SM = {"gluon_sm90": 1, "gluon_sm90_narrow": 2}  # programs per SM
 BLOCK_N = 64  # keys per tile, both Gluon kernels
 
 
 def read_logs(paths) -> dict:
-    """{(B, H, S, format): {"kernel": name, "us": {splits: µs}}}; the first log's figure where several time one."""
+    """{(B, H, keys, format): {"kernel": name, "us": {splits: µs}}}; the first log's figure where several time one.
+    Sparse calls: keys is the top-k (what the rule sees) and the format ``sparse-`` and the cache format's."""
     cases: dict = {}
     for path in paths:
         with open(path) as f:
@@ -35,11 +40,43 @@ def read_logs(paths) -> dict:
                 m = _ROW.match(line.strip())
                 if not m:
                     continue
-                case = cases.setdefault((int(m[1]), int(m[2]), int(m[3]), m[4]), {"kernel": None, "us": {}})
-                if m[5]:
-                    case["kernel"] = case["kernel"] or m[5]
-                case["us"].setdefault(int(m[6] or m[7]), float(m[8]))
+                keys, fmt = (int(m[5]), f"sparse-{m[6]}") if m[1] else (int(m[4]), m[6])
+                case = cases.setdefault((int(m[2]), int(m[3]), keys, fmt), {"kernel": None, "us": {}})
+                if m[7]:
+                    case["kernel"] = case["kernel"] or m[7]
+                case["us"].setdefault(int(m[8] or m[9]), float(m[10]))
     return {k: v for k, v in cases.items() if v["kernel"] in _HEADS}
+
+
+_TIMED = re.compile(r"splits (.+?)(?: \(\w+, ns=\d+\))?:\s+[\d.]+ us, in a CUDA graph\s+([\d.]+) us.*?"
+                    r"(?:\(device us: (.*)\))?$")
+
+
+def read_rows(path) -> dict:
+    """{row label: (CUDA-graph µs, {kernel: device µs})} of one ``--splits`` log."""
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            m = _TIMED.match(line.strip())
+            if m:
+                kernels = dict(k.rsplit(" ", 1) for k in m[3].split(", ")) if m[3] else {}
+                rows[m[1]] = (float(m[2]), {k: float(v) for k, v in kernels.items()})
+    return rows
+
+
+def compare(before_path, after_paths) -> list:
+    """Lines: each row of ``before_path`` that every log of ``after_paths`` has, its µs in each and the ratios."""
+    before, afters = read_rows(before_path), [read_rows(p) for p in after_paths]
+    lines = []
+    for label, (us, kernels) in before.items():
+        if not all(label in a for a in afters):
+            continue
+        after = [a[label] for a in afters]
+        line = f"{label}: {us:.1f} -> " + ", ".join(f"{u:.1f} ({u / us:.2f}x)" for u, _ in after)
+        for name, t in kernels.items():
+            line += f"; {name} {t:.1f} -> " + ", ".join(f"{k.get(name, float('nan')):.1f}" for _, k in after)
+        lines.append(line)
+    return lines
 
 
 def pick(case_key, kernel: str, sms: int, with_partials: bool) -> int:
@@ -47,6 +84,11 @@ def pick(case_key, kernel: str, sms: int, with_partials: bool) -> int:
     head_blocks = -(-H // _HEADS[kernel])
     partial_bytes = B * H * (decode._hopper().L_DIM + 1) * 4 if with_partials else None
     return decode.choose_splits(B, head_blocks, S, BLOCK_N, sms * _PER_SM[kernel], partial_bytes=partial_bytes)
+
+
+def _label(key) -> str:
+    B, H, keys, fmt = key
+    return f"B={B} H={H} " + (f"top-k={keys} {fmt}" if fmt.startswith("sparse-") else f"S={keys} {fmt:<4}")
 
 
 def score(cases: dict, sms: int, with_partials: bool) -> tuple:
@@ -57,11 +99,11 @@ def score(cases: dict, sms: int, with_partials: bool) -> tuple:
         best = min(us, key=us.get)
         if ns in us:
             logs.append(math.log(us[ns] / us[best]))
-            lines.append(f"  B={key[0]} H={key[1]} S={key[2]} {key[3]:<4}: picks {ns} ({us[ns]:.1f} us, "
+            lines.append(f"  {_label(key)}: picks {ns} ({us[ns]:.1f} us, "
                          f"{us[ns] / us[best]:.2f}x the fastest, {best}: {us[best]:.1f})")
         else:
             untimed += 1
-            lines.append(f"  B={key[0]} H={key[1]} S={key[2]} {key[3]:<4}: picks {ns} (not timed)")
+            lines.append(f"  {_label(key)}: picks {ns} (not timed)")
     geo = math.exp(sum(logs) / len(logs)) if logs else float("nan")
     return lines, geo, max((math.exp(v) for v in logs), default=float("nan")), untimed
 
@@ -72,9 +114,14 @@ def main(argv=None):
         print(__doc__)
         return
     logs = [a for a in argv if not a.startswith("--")]
+    if "--compare" in argv:
+        if len(logs) < 2:
+            raise SystemExit("--compare: expected a log before and one or more after")
+        print("\n".join(compare(logs[0], logs[1:])))
+        return
     flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     sms = int(flags.get("sms", 132))
-    formats = flags.get("formats", "bf16,fp8,ds").split(",")
+    formats = flags.get("formats", "bf16,fp8,ds,sparse-bf16,sparse-ds").split(",")
     cases = {k: v for k, v in read_logs(logs).items() if k[3] in formats}
     if not cases:
         raise SystemExit(f"no --splits rows of a Gluon kernel in {logs}")

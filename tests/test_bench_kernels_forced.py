@@ -144,6 +144,7 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     monkeypatch.setattr(bench, "_bench", lambda fn: 0.0123)
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep, return_mode: 0.0101)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "_kernel_times", lambda fn: {"decode": 7.04, "merge": 3.01})
     counts = sorted({1, 2, default_ns})
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path))
     assert [k for k, _ in asked] == [k for k in ("bf16", "fp8", "ds") for _ in counts]
@@ -151,6 +152,7 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
                for _, cfg in asked)
     log = (tmp_path / "bench_kernels_splits.md").read_text()
     assert log.count(f"default (tl_dot, ns={default_ns}): ") == 3 and "12.3 us, in a CUDA graph     10.1 us" in log
+    assert log.count("(device us: decode 7.0, merge 3.0)") == 3 * len(counts)  # every row
     asked.clear()
     bench.split_sweep([(1, 16, 4096)], counts, str(tmp_path), kinds=("ds",))
     assert [k for k, _ in asked] == ["ds"] * len(counts)

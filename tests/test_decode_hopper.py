@@ -281,7 +281,8 @@ def test_gluon_config_at_32_heads_and_an_unknown_kernel(monkeypatch):
 
 
 # The split merge's launch shapes (DecodeLaunch._use): (BLOCK_S, BLOCK_L, ONE_STEP) at L = 512.
-MERGE_SHAPES = [(16, 128, True), (16, 128, False), (16, 512, True), (16, 512, False), (2, 512, True)]
+MERGE_SHAPES = [(16, 128, True), (16, 128, False), (32, 128, True), (64, 128, True), (128, 64, True),
+                (128, 64, False), (16, 512, True), (16, 512, False), (2, 512, True)]
 
 
 def _merge_spills(shapes=MERGE_SHAPES) -> dict:

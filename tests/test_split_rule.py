@@ -37,3 +37,41 @@ def test_the_rule_against_the_shapes_checked_afterwards(rule, capsys):
     today = out[out.index("rule at 3.0 MB"):]
     assert today.count("1.05x the fastest") == 2 and today.count("1.00x the fastest") == 5
     assert "B=8 H=128 S=1024 bf16: picks 4 (19.0 us" in today and "B=2 H=16 S=8192 fp8 : picks 64 (13.6 us" in today
+
+
+def test_the_merge_before_and_after_every_split_in_one_step(rule, capsys):
+    # docs/benchmarks.md section 1, eleventh run: the same --splits command on the build before (16 splits a step)
+    # and twice on the build after (every split in one step below 512 (row, head) pairs).
+    names = ("merge-before", "merge-after-1", "merge-after-2")
+    rule.main(["--compare"] + [os.path.join(LOGS, f"{n}.md") for n in names])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 12
+    assert ("B=1 H=64 S=32768 bf16 default: 34.1 -> 26.7 (0.78x), 26.9 (0.79x); mla_decode_hopper 21.3 -> 21.5, "
+            "21.3; _mla_merge_kernel 11.2 -> 4.1, 4.2") in out
+    assert "B=1 H=128 S=4096 bf16 default: 16.5 -> 15.2 (0.92x), 15.3 (0.93x)" in out[0]
+    # Two splits a (row, head) pair's one-step shape never changed: the same time.
+    assert "B=2 H=128 S=4096 bf16 default: 21.8 -> 21.9 (1.00x), 21.9 (1.00x)" in "\n".join(out)
+
+
+def test_the_rule_on_the_new_merge(rule, capsys):
+    # Runs 9-10, on the new merge: the rule as it was (3.0 MB a tile) within 1.12x of the fastest count (geomean
+    # 1.020x); the misses are the rows where the cheaper merge now favours more splits.
+    got = _run(rule, capsys, (9, 10), "--bytes-per-tile=3e6,4.5e6,6e6,9e6")
+    assert got[1:] == ["rule at 3.0 MB a tile: geomean 1.020x, worst 1.12x, 0 untimed",
+                       "rule at 4.5 MB a tile: geomean 1.020x, worst 1.12x, 0 untimed",
+                       "rule at 6.0 MB a tile: geomean 1.018x, worst 1.13x, 0 untimed",
+                       "rule at 9.0 MB a tile: geomean 1.018x, worst 1.13x, 0 untimed"]
+
+
+def test_compare_needs_two_logs(rule):
+    with pytest.raises(SystemExit, match="--compare: expected a log before"):
+        rule.main(["--compare", os.path.join(LOGS, "run1.md")])
+
+
+def test_the_rule_on_sparse_calls(rule, capsys):
+    # Run 7: sparse calls (top-k 2048 of 16k keys), which took the partials term untimed: the old rule up to 1.25x
+    # the fastest count (B=2, B=4 at 64 heads: 32 splits where 16 win), today's up to 1.08x (B=4 H=128: 8 where
+    # 16 win).
+    got = _run(rule, capsys, (7,), "--formats=sparse-bf16,sparse-ds")
+    assert got == ["old rule (partials left out, every count): geomean 1.107x, worst 1.25x, 0 untimed",
+                   "rule at 3.0 MB a tile: geomean 1.019x, worst 1.08x, 0 untimed"]

@@ -380,21 +380,22 @@ def test_value_errors():
 
 
 @cpu_only
-@pytest.mark.parametrize("B,H,ns,grid,one_step", [
-    (1, 16, 20, (16, 2, 1), False),   # few (row, head) pairs: 128 columns per program, 16 splits per step
-    (1, 16, 5, (16, 2, 1), True),     # up to 16 splits in one step
-    (32, 16, 2, (512, 1, 1), True),   # from 512 pairs on: whole rows (the old merge's code where ns <= 16)
-    (32, 16, 20, (512, 1, 1), False),
+@pytest.mark.parametrize("B,H,ns,tile,one_step", [
+    (1, 16, 20, (32, 128), True),     # few (row, head) pairs: 128 columns per program, every split in one step
+    (1, 16, 5, (8, 128), True),
+    (1, 16, 130, (128, 64), False),   # past 128 splits: a loop, 64 columns per program (8192 values a step)
+    (32, 16, 2, (2, 256), True),      # from 512 pairs on: whole rows (the old merge's code where ns <= 16)
+    (32, 16, 20, (16, 256), False),   # and 16 splits a step
 ])
-def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, grid, one_step):
+def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, tile, one_step):
     """The merge's launch shape: more programs only where few (row, head) pairs would leave SMs idle (at many
-    pairs 128-column programs cost 2x on an H200), and a loop over splits only beyond 16 (one step spilled
-    at 128 splits; docs/triton_notes.md, "The split merge")."""
+    pairs 128-column programs cost 2x on an H200); below that every split in one step up to 128 (one round trip
+    to memory), at most 8192 partial values a program (the old one-step merge spilled at 128 splits of whole
+    rows); docs/triton_notes.md, "The split merge"."""
     c = make_case(B=B, Q=1, H=H, L=256, R=32, page=16, seq_lens=[40] * B, seed=9)
     launch = tk.DecodeLaunch(**c, config=cfg(bn=16, ns=ns))
-    assert launch.merge.grid == grid
-    L, block_s, block_l, one = launch.merge.static_args[1:]
-    assert (L, block_s, block_l, one) == (256, min(16, tk._next_pow2(ns)), 128 if grid[1] == 2 else 256, one_step)
+    assert launch.merge.grid == (B * H, 256 // tile[1], 1)
+    assert launch.merge.static_args[1:] == (256, *tile, one_step)
     check(c, config=cfg(bn=16, ns=ns))
 
 

@@ -361,6 +361,12 @@ KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
 # there; and up to 16 splits all at once, as the old one did (the loop over splits read 1.08-1.13x its time at
 # T*H=4096-16384). The whole call before/after: docs/benchmarks.md section 1, eighth run (bench_kernels).
 MERGE_BLOCK_S, MERGE_BLOCK_L, MERGE_WHOLE_ROWS_FROM = 16, 128, 512
+# Below MERGE_WHOLE_ROWS_FROM pairs, up to this many splits in one step, in programs of at most MERGE_TILE_VALUES
+# partial values (64 a thread in 4 warps; narrower column blocks where the splits are many): one round trip to
+# memory instead of two per 16 splits (the loop finds the lse maximum first). H200, kernel called directly
+# (bench_kernels.py --splits, docs/benchmarks.md section 1, eleventh run): the merge at B=1 H=128 S=4096, 32 splits,
+# 5.4 -> 3.9 us (the call 16.5 -> 15.2); B=1 H=64 S=32768, 128 splits, 11.2 -> 4.1 (34.1 -> 26.7).
+MERGE_FEW_ROWS_MAX_SPLITS, MERGE_TILE_VALUES = 128, 8192
 
 
 class DecodeConfig:
@@ -703,6 +709,15 @@ def _scratch_lse(launch: "DecodeLaunch") -> Optional[torch.Tensor]:
     return scratch
 
 
+def merge_tile(pairs: int, ns: int, L: int) -> Tuple[int, int]:
+    """(splits per step, output columns per program) of the split merge for ``pairs`` (row, head) pairs of ``ns``
+    splits each."""
+    if pairs >= MERGE_WHOLE_ROWS_FROM:
+        return min(_next_pow2(ns), MERGE_BLOCK_S), L
+    block_s = min(_next_pow2(ns), MERGE_FEW_ROWS_MAX_SPLITS)
+    return block_s, min(L, MERGE_BLOCK_L, MERGE_TILE_VALUES // block_s)
+
+
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns], two views
     of one allocation (an allocation costs several µs of a short call's host time on a GPU)."""
@@ -860,8 +875,7 @@ class DecodeLaunch:
         if ns > 1:
             # Few (row, head) pairs: each program merges BLOCK_L columns, so that more SMs share the work;
             # many: whole rows (4x the programs cost more than they spread: 2x at T*H = 4096).
-            block_l = L if T * H >= MERGE_WHOLE_ROWS_FROM else min(L, MERGE_BLOCK_L)
-            block_s = min(_next_pow2(ns), MERGE_BLOCK_S)
+            block_s, block_l = merge_tile(T * H, ns, L)
             self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H, L // block_l),
                                       (ns, L, block_s, block_l, ns <= block_s), dict(num_warps=4))
 
