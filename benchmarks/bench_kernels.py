@@ -9,6 +9,7 @@ calls too.
     python benchmarks/bench_kernels.py [--quick | --cases=BxHxS,...] [--ours-only] [--no-sparse | --no-dense]
            [--sparse-cases=BxHxSxTOPK,...] [--only=flashmla,...] [--ours=triton_bf16,wide_bf16,...] [--out DIR]
     python benchmarks/bench_kernels.py --sweep | --overhead [--out DIR]
+    python benchmarks/bench_kernels.py --merge-tiles [--merge-cases=PAIRSxSPLITS,...] [--out DIR]
     python benchmarks/bench_kernels.py --splits=8,16,32,64,128 [--cases=BxHxS,...] [--kinds=bf16,fp8,ds]
            [--splits-kernel=default|tl_dot] [--sparse-cases=BxHxSxTOPK,...] [--out DIR]
 
@@ -23,8 +24,9 @@ ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a
 times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, with
 each kernel's device time (the decode, the split merge), on the cache formats ``--kinds`` names (all three by
 default), on our default kernel or (``--splits-kernel=tl_dot``) the ``tl.dot`` kernel it falls back to, and on the
-sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the data behind ``decode.choose_splits`` and the
-merge's tiles.
+sparse calls ``--sparse-cases`` names (bf16 and fp8_ds_mla): the data behind ``decode.choose_splits``.
+``--merge-tiles`` times the split merge alone at each tile (splits per step, output columns per program) on
+``--merge-cases`` ((row, head) pairs x splits), against a torch reference: the data behind ``decode.merge_tile``.
 """
 from __future__ import annotations
 
@@ -360,12 +362,55 @@ def _kernel_times(fn, calls: int = 20) -> dict:
     return times
 
 
+MERGE_CASES = [(16, 64), (32, 64), (64, 128), (128, 32), (128, 64), (256, 16), (256, 32), (512, 8), (4096, 2)]
+
+
+def merge_sweep(shapes, out_dir, device: str = "cuda", L: int = 512):
+    """The split merge alone on fresh random partials of each (pairs, splits) in ``shapes``, at every tile (splits
+    per step, output columns per program) up to 16384 values a program: µs replayed in a CUDA graph (0 off a GPU:
+    the tests' interpreter) and the error against a torch merge; ``decode.merge_tile``'s pick is marked."""
+    import triton
+
+    from mla_inductor.kernels import decode
+    from mla_inductor.kernels.launch import KernelLaunch
+
+    dev = torch.device(device)
+    lines = []
+    for pairs, ns in shapes:
+        gen = torch.Generator().manual_seed(pairs * 1000 + ns)
+        pout, plse = decode._alloc_partials(pairs, 1, ns, L, dev)
+        pout.copy_(torch.randn(pout.shape, generator=gen))
+        plse.copy_(torch.randn(plse.shape, generator=gen) * 4)  # log2 domain
+        w = torch.exp2(plse - plse.amax(-1, keepdim=True))
+        ref = (pout * w[..., None]).sum(-2) / w.sum(-1, keepdim=True)
+        pick = decode.merge_tile(pairs, ns, L)
+        for block_s in sorted({min(decode._next_pow2(ns), b) for b in (16, 32, 64, 128)}):
+            for block_l in (b for b in (32, 64, 128, 256, 512) if b <= L and block_s * b <= 16384):
+                out = torch.full((pairs, 1, L), float("nan"), dtype=torch.bfloat16, device=dev)
+                lse = torch.full((pairs, 1), float("nan"), dtype=torch.float32, device=dev)
+                merge = KernelLaunch(decode._kernel_for(decode._mla_merge_kernel, dev), (pairs, L // block_l),
+                                     (ns, L, block_s, block_l, ns <= block_s), dict(num_warps=4))
+
+                def run(merge=merge, out=out, lse=lse):
+                    merge(pout, plse, out, lse)
+                    return out
+
+                def measure(run=run):
+                    err = _err(run(), ref)
+                    us = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3 if \
+                        dev.type == "cuda" else 0.0
+                    return f": {us:6.1f} us, err={err:.1e}"
+                mark = " (merge_tile)" if (block_s, block_l) == pick else ""
+                _log_line(lines, f"merge pairs={pairs} splits={ns} block_s={block_s} block_l={block_l}{mark}", measure)
+    _write_log(out_dir, "bench_kernels_merge", lines)
+
+
 def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, kernel="default", sparse_cases=()):
     """Our default kernel (``kernel="tl_dot"``: the ``tl.dot`` kernel the default falls back to) on each case at
     each split count of ``counts`` (the other launch parameters the default's) and at the default's own: µs launch
     after launch (``do_bench``) and replayed in a CUDA graph, and each kernel's device time, for tuning
-    ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few). ``sparse_cases`` (B, H, S, top-k): sparse calls too, on the
-    formats of ``kinds`` a sparse call takes (bf16, fp8_ds_mla)."""
+    ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few). ``sparse_cases`` (B, H, S,
+    top-k): sparse calls too, on the formats of ``kinds`` a sparse call takes (bf16, fp8_ds_mla)."""
     import triton
 
     def timed(fn, ref):
@@ -511,6 +556,9 @@ def main(argv=None):
         return
     if "--overhead" in argv:
         overhead(out_dir)
+        return
+    if "--merge-tiles" in argv:
+        merge_sweep(_shapes(argv, "--merge-cases", MERGE_CASES), out_dir)
         return
     if counts is not None:
         split_sweep(_shapes(argv, "--cases", [(1, 128, 4096), (1, 16, 4096), (1, 64, 32768), (4, 128, 4096)]),

@@ -7,13 +7,15 @@ count the logs timed (CUDA-graph replay). A shape timed in several logs: the fir
     python benchmarks/split_rule.py LOG.md [LOG.md ...] [--formats=bf16,fp8,ds] [--bytes-per-tile=3e6,3.5e6]
            [--sms=132]
     python benchmarks/split_rule.py --compare BEFORE.md AFTER.md [AFTER.md ...]
+    python benchmarks/split_rule.py --merge MERGE_LOG.md
 
-``--formats`` keeps those cache formats' rows (all by default; sparse calls' as ``sparse-bf16``, ``sparse-ds``); ``--bytes-per-tile`` scores the rule at other
-values of ``decode.PARTIAL_BYTES_PER_TILE`` (the value was chosen so: by the picks it makes, not by a fit of the
-model's terms). ``--compare``: the rows the logs share (same case, format and split count), CUDA-graph µs in each
-and after over before, with each kernel's device µs where the log has them (a change's before/after: the same
-``--splits`` command on two builds). The logs behind docs/benchmarks.md section 1, tenth and eleventh runs:
-docs/data/splits-h200-2026-11-28/.
+``--formats`` keeps those cache formats' rows (all by default; sparse calls' as ``sparse-bf16``, ``sparse-ds``);
+``--bytes-per-tile`` scores the rule at other values of ``decode.PARTIAL_BYTES_PER_TILE`` (the value was chosen so:
+by the picks it makes, not by a fit of the model's terms). ``--compare``: the rows the logs share (same case, format
+and split count), CUDA-graph µs in each and after over before, with each kernel's device µs where the log has them
+(a change's before/after: the same ``--splits`` command on two builds). ``--merge``: per shape of a ``bench_kernels.py
+--merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. The logs behind docs/benchmarks.md section
+1, tenth and eleventh runs: docs/data/splits-h200-2026-11-28/.
 """
 from __future__ import annotations
 
@@ -79,6 +81,25 @@ def compare(before_path, after_paths) -> list:
     return lines
 
 
+_MERGE_ROW = re.compile(r"merge pairs=(\d+) splits=(\d+) block_s=(\d+) block_l=(\d+)(?: \(merge_tile\))?:\s+([\d.]+) us")
+
+
+def merge_picks(path, L: int = 512) -> list:
+    """Lines: per (pairs, splits) of a --merge-tiles log, today's merge_tile pick and its µs against the fastest."""
+    shapes: dict = {}
+    with open(path) as f:
+        for line in f:
+            m = _MERGE_ROW.match(line.strip())
+            if m:
+                shapes.setdefault((int(m[1]), int(m[2])), {})[(int(m[3]), int(m[4]))] = float(m[5])
+    lines = []
+    for (pairs, ns), us in shapes.items():
+        tile, best = decode.merge_tile(pairs, ns, L), min(us, key=us.get)
+        got = f"{us[tile]:.1f} us, {us[tile] / us[best]:.2f}x" if tile in us else "not timed"
+        lines.append(f"pairs={pairs} splits={ns}: picks {tile} ({got}); fastest {best}: {us[best]:.1f} us")
+    return lines
+
+
 def pick(case_key, kernel: str, sms: int, with_partials: bool) -> int:
     B, H, S, _ = case_key
     head_blocks = -(-H // _HEADS[kernel])
@@ -114,6 +135,9 @@ def main(argv=None):
         print(__doc__)
         return
     logs = [a for a in argv if not a.startswith("--")]
+    if "--merge" in argv:
+        print("\n".join(line for log in logs for line in merge_picks(log)))
+        return
     if "--compare" in argv:
         if len(logs) < 2:
             raise SystemExit("--compare: expected a log before and one or more after")

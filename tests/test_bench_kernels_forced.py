@@ -168,3 +168,17 @@ def test_the_split_sweep_times_each_count_and_the_default_once(bench, monkeypatc
     assert [k for k, _ in asked] == [k for k in ("bf16", "ds") for _ in counts]
     log = (tmp_path / "bench_kernels_splits.md").read_text()
     assert log.count("splits sparse B=1 H=16 S=4096 topk=2048 ") == 2 * len(counts)
+
+
+def test_the_merge_sweep_checks_every_tile_against_torch(bench, tmp_path):
+    # --merge-tiles on CPU (the interpreter, timings 0): every tile of each shape runs and matches a torch merge of
+    # the same random partials, and merge_tile's own pick is among them, marked once per shape.
+    bench.merge_sweep([(2, 3), (3, 20)], str(tmp_path), device="cpu", L=64)
+    log = (tmp_path / "bench_kernels_merge.md").read_text().splitlines()[1:-1]
+    # 3 splits: 4 a step; 20: 16 and 32 a step; each at 32 and 64 columns.
+    assert len(log) == 2 + 2 * 2 and not any("FAILED" in ln for ln in log), log
+    assert [ln.split(":")[0] for ln in log if "(merge_tile)" in ln] == [
+        "merge pairs=2 splits=3 block_s=4 block_l=32 (merge_tile)",
+        "merge pairs=3 splits=20 block_s=32 block_l=32 (merge_tile)"]
+    errs = [float(ln.rsplit("err=", 1)[1]) for ln in log]
+    assert max(errs) < 1e-2, log

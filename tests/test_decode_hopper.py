@@ -281,8 +281,9 @@ def test_gluon_config_at_32_heads_and_an_unknown_kernel(monkeypatch):
 
 
 # The split merge's launch shapes (DecodeLaunch._use): (BLOCK_S, BLOCK_L, ONE_STEP) at L = 512.
-MERGE_SHAPES = [(16, 128, True), (16, 128, False), (32, 128, True), (64, 128, True), (128, 64, True),
-                (128, 64, False), (16, 512, True), (16, 512, False), (2, 512, True)]
+MERGE_SHAPES = sorted({(*dk.merge_tile(pairs, ns, 512), ns <= dk.merge_tile(pairs, ns, 512)[0])
+                       for pairs in (1, 16, 32, 64, 128, 256, 511, 512, 4096) for ns in (2, 5, 16, 20, 32, 64, 128)}
+                      | {(128, 32, False)})  # every tile merge_tile picks at L = 512, and the loop past 128 splits
 
 
 def _merge_spills(shapes=MERGE_SHAPES) -> dict:

@@ -75,3 +75,28 @@ def test_the_rule_on_sparse_calls(rule, capsys):
     got = _run(rule, capsys, (7,), "--formats=sparse-bf16,sparse-ds")
     assert got == ["old rule (partials left out, every count): geomean 1.107x, worst 1.25x, 0 untimed",
                    "rule at 3.0 MB a tile: geomean 1.019x, worst 1.08x, 0 untimed"]
+
+
+def test_the_merge_tiles_against_the_sweep(rule, capsys):
+    # docs/benchmarks.md section 1, eleventh run: merge_tile's pick against the fastest tile of bench_kernels.py
+    # --merge-tiles at each shape (the sweep the rule was chosen on): the fastest or within 2% at 8 of 10,
+    # 1.07x and 1.12x at 256 pairs.
+    rule.main(["--merge", os.path.join(LOGS, "merge-tiles-1.md")])
+    out = capsys.readouterr().out.splitlines()
+    ratios = [float(ln.split("us, ")[1].split("x)")[0]) for ln in out]
+    assert len(out) == 10 and sorted(ratios)[-3:] == [1.02, 1.07, 1.12] and max(sorted(ratios)[:7]) == 1.0
+    assert "pairs=16 splits=64: picks (64, 32) (2.3 us, 1.00x)" in out[0]
+
+
+def test_the_merge_column_blocks_before_and_after(rule, capsys):
+    # docs/benchmarks.md section 1, eleventh run, second table: --splits=32 on the one-step merge with 128-column
+    # blocks, then with blocks by program count.
+    rule.main(["--compare", os.path.join(LOGS, "tiles-before.md"), os.path.join(LOGS, "tiles-after.md")])
+    out = [ln for ln in capsys.readouterr().out.splitlines() if " default:" in ln]
+    assert len(out) == 7
+    assert out[0].startswith("B=1 H=16 S=4096 bf16 default: 10.1 -> 8.7 (0.86x); mla_decode_hopper 6.0 -> 6.0; "
+                             "_mla_merge_kernel 3.7 -> 2.4")
+    assert out[2].startswith("B=1 H=64 S=32768 bf16 default: 27.1 -> 27.3 (1.01x)")
+    rule.main(["--merge", os.path.join(LOGS, "merge-tiles-2.md")])
+    second = capsys.readouterr().out.splitlines()
+    assert len(second) == 6 and "picks (128, 128) (4.2 us, 1.05x)" in second[3]

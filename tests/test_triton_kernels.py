@@ -381,22 +381,31 @@ def test_value_errors():
 
 @cpu_only
 @pytest.mark.parametrize("B,H,ns,tile,one_step", [
-    (1, 16, 20, (32, 128), True),     # few (row, head) pairs: 128 columns per program, every split in one step
-    (1, 16, 5, (8, 128), True),
-    (1, 16, 130, (128, 64), False),   # past 128 splits: a loop, 64 columns per program (8192 values a step)
+    (1, 16, 20, (32, 32), True),      # few (row, head) pairs: every split in one step, narrow column blocks
+    (1, 16, 5, (8, 32), True),
+    (1, 16, 130, (128, 32), False),   # past 128 splits: a loop
     (32, 16, 2, (2, 256), True),      # from 512 pairs on: whole rows (the old merge's code where ns <= 16)
     (32, 16, 20, (16, 256), False),   # and 16 splits a step
 ])
 def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, tile, one_step):
-    """The merge's launch shape: more programs only where few (row, head) pairs would leave SMs idle (at many
-    pairs 128-column programs cost 2x on an H200); below that every split in one step up to 128 (one round trip
-    to memory), at most 8192 partial values a program (the old one-step merge spilled at 128 splits of whole
-    rows); docs/triton_notes.md, "The split merge"."""
+    """The merge's launch shape (docs/triton_notes.md, "The split merge"): whole rows from 512 (row, head) pairs;
+    below, every split in one step up to 128 (one round trip to memory) and column blocks narrow enough for 256
+    programs, at most 16384 partial values a program (the old one-step merge spilled at 128 splits of whole rows)."""
     c = make_case(B=B, Q=1, H=H, L=256, R=32, page=16, seq_lens=[40] * B, seed=9)
     launch = tk.DecodeLaunch(**c, config=cfg(bn=16, ns=ns))
     assert launch.merge.grid == (B * H, 256 // tile[1], 1)
     assert launch.merge.static_args[1:] == (256, *tile, one_step)
     check(c, config=cfg(bn=16, ns=ns))
+
+
+@pytest.mark.parametrize("pairs,ns,tile", [
+    (16, 64, (64, 32)), (32, 64, (64, 64)), (16, 128, (128, 32)), (64, 128, (128, 128)), (128, 32, (32, 256)),
+    (128, 64, (64, 256)), (256, 16, (16, 512)), (256, 32, (32, 512)), (256, 128, (128, 128)), (512, 8, (8, 512)),
+    (4096, 2, (2, 512)), (1, 2, (2, 32))])
+def test_merge_tiles_at_l512(pairs, ns, tile):
+    # The tiles the H200 sweep chose among (docs/benchmarks.md section 1, eleventh run): 256 programs at the widest
+    # column block, at most 16384 values a program (256 pairs of 128 splits: 128 columns, not 512).
+    assert tk.merge_tile(pairs, ns, 512) == tile
 
 
 def test_split_heuristic():

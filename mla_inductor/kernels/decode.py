@@ -354,19 +354,19 @@ if _HAVE_TRITON:
 
 
 KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
-# The split merge's tile: splits per step of its loop, output columns per program below MERGE_WHOLE_ROWS_FROM
-# (row, head) pairs. H200, the merge alone (a one-off script, docs/triton_notes.md), old (one program per pair,
-# every split at once) vs new: T*H=64 with 128 splits 82.6 -> 20.0 us, T*H=16 with 256 splits 173.2 -> 29.7 (the old
-# one spilled its registers); with 128 columns per program at T*H=4096 (8 splits) 26.0 -> 53.2, hence whole rows
-# there; and up to 16 splits all at once, as the old one did (the loop over splits read 1.08-1.13x its time at
-# T*H=4096-16384). The whole call before/after: docs/benchmarks.md section 1, eighth run (bench_kernels).
-MERGE_BLOCK_S, MERGE_BLOCK_L, MERGE_WHOLE_ROWS_FROM = 16, 128, 512
-# Below MERGE_WHOLE_ROWS_FROM pairs, up to this many splits in one step, in programs of at most MERGE_TILE_VALUES
-# partial values (64 a thread in 4 warps; narrower column blocks where the splits are many): one round trip to
-# memory instead of two per 16 splits (the loop finds the lse maximum first). H200, kernel called directly
-# (bench_kernels.py --splits, docs/benchmarks.md section 1, eleventh run): the merge at B=1 H=128 S=4096, 32 splits,
-# 5.4 -> 3.9 us (the call 16.5 -> 15.2); B=1 H=64 S=32768, 128 splits, 11.2 -> 4.1 (34.1 -> 26.7).
-MERGE_FEW_ROWS_MAX_SPLITS, MERGE_TILE_VALUES = 128, 8192
+# The split merge's tile (``merge_tile``): from MERGE_WHOLE_ROWS_FROM (row, head) pairs up, whole rows and
+# MERGE_BLOCK_S splits a step, all at once up to that. H200, the merge alone (a one-off script, docs/triton_notes.md):
+# one program per pair holding every split at once spilled at 128 splits (T*H=64: 82.6 -> 20.0 us with a loop and
+# 128 columns a program); at T*H=4096 (8 splits) 128 columns a program cost 2x whole rows (26.0 -> 53.2), and the
+# loop over 16 splits 1.08-1.13x all at once (T*H=4096-16384). Before/after: docs/benchmarks.md section 1, eighth run.
+MERGE_BLOCK_S, MERGE_WHOLE_ROWS_FROM = 16, 512
+# Below MERGE_WHOLE_ROWS_FROM pairs: up to MERGE_FEW_ROWS_MAX_SPLITS splits in one step (one round trip to memory
+# instead of two per 16 splits: the loop finds the lse maximum first), and the widest column block that still gives
+# MERGE_MIN_PROGRAMS programs in at most MERGE_TILE_VALUES partial values a program (128 a thread in 4 warps), down
+# to MERGE_MIN_COLUMNS. H200, the merge alone at every tile (bench_kernels.py --merge-tiles, docs/benchmarks.md
+# section 1, eleventh run): the pick is the fastest tile or within 0.2 us of it at 8 of 10 shapes, 1.07x and 1.12x at
+# 256 pairs; the whole call at one sequence 0.78-0.93x its time with 16 splits a step.
+MERGE_FEW_ROWS_MAX_SPLITS, MERGE_TILE_VALUES, MERGE_MIN_PROGRAMS, MERGE_MIN_COLUMNS = 128, 16384, 256, 32
 
 
 class DecodeConfig:
@@ -714,8 +714,11 @@ def merge_tile(pairs: int, ns: int, L: int) -> Tuple[int, int]:
     splits each."""
     if pairs >= MERGE_WHOLE_ROWS_FROM:
         return min(_next_pow2(ns), MERGE_BLOCK_S), L
-    block_s = min(_next_pow2(ns), MERGE_FEW_ROWS_MAX_SPLITS)
-    return block_s, min(L, MERGE_BLOCK_L, MERGE_TILE_VALUES // block_s)
+    block_s, block_l = min(_next_pow2(ns), MERGE_FEW_ROWS_MAX_SPLITS), L
+    while block_l > MERGE_MIN_COLUMNS and (pairs * (L // block_l) < MERGE_MIN_PROGRAMS
+                                           or block_s * block_l > MERGE_TILE_VALUES):
+        block_l //= 2
+    return block_s, block_l
 
 
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
