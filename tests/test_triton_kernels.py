@@ -408,6 +408,14 @@ def test_merge_tiles_at_l512(pairs, ns, tile):
     assert tk.merge_tile(pairs, ns, 512) == tile
 
 
+@pytest.mark.parametrize("L", [512, 256, 66, 100, 20, 576])
+def test_merge_column_blocks_tile_the_row_exactly(L):
+    for pairs in (1, 7, 64, 300):
+        for ns in (2, 9, 64, 128):
+            block_s, block_l = tk.merge_tile(pairs, ns, L)
+            assert L % block_l == 0 and block_s >= min(ns, 16), (pairs, ns, L, block_s, block_l)
+
+
 def test_split_heuristic():
     # More work per row than SMs can hide: no split. Few rows: split up to fill the machine.
     assert tk.choose_splits(rows=2048, head_blocks=2, kv_len=4096, block_n=32, slots=132) == 1

@@ -364,8 +364,9 @@ MERGE_BLOCK_S, MERGE_WHOLE_ROWS_FROM = 16, 512
 # instead of two per 16 splits: the loop finds the lse maximum first), and the widest column block that still gives
 # MERGE_MIN_PROGRAMS programs in at most MERGE_TILE_VALUES partial values a program (128 a thread in 4 warps), down
 # to MERGE_MIN_COLUMNS. H200, the merge alone at every tile (bench_kernels.py --merge-tiles, docs/benchmarks.md
-# section 1, eleventh run): the pick is the fastest tile or within 0.2 us of it at 8 of 10 shapes, 1.07x and 1.12x at
-# 256 pairs; the whole call at one sequence 0.78-0.93x its time with 16 splits a step.
+# section 1, eleventh run): the pick is the fastest tile or within 2% at 8 of 10 shapes, 1.07x and 1.12x at 256 pairs.
+# Whole calls at one or two sequences: 0.78-0.93x their time with 16 splits a step (one step in 128-column blocks),
+# then 0.86-1.01x (these blocks).
 MERGE_FEW_ROWS_MAX_SPLITS, MERGE_TILE_VALUES, MERGE_MIN_PROGRAMS, MERGE_MIN_COLUMNS = 128, 16384, 256, 32
 
 
@@ -715,9 +716,9 @@ def merge_tile(pairs: int, ns: int, L: int) -> Tuple[int, int]:
     if pairs >= MERGE_WHOLE_ROWS_FROM:
         return min(_next_pow2(ns), MERGE_BLOCK_S), L
     block_s, block_l = min(_next_pow2(ns), MERGE_FEW_ROWS_MAX_SPLITS), L
-    while block_l > MERGE_MIN_COLUMNS and (pairs * (L // block_l) < MERGE_MIN_PROGRAMS
-                                           or block_s * block_l > MERGE_TILE_VALUES):
-        block_l //= 2
+    while block_l > MERGE_MIN_COLUMNS and block_l % 2 == 0 and (pairs * (L // block_l) < MERGE_MIN_PROGRAMS
+                                                                or block_s * block_l > MERGE_TILE_VALUES):
+        block_l //= 2  # halves of an even width: the blocks still tile the row exactly
     return block_s, block_l
 
 
