@@ -372,7 +372,6 @@ def merge_sweep(shapes, out_dir, device: str = "cuda", L: int = 512):
     import triton
 
     from mla_inductor.kernels import decode
-    from mla_inductor.kernels.launch import KernelLaunch
 
     dev = torch.device(device)
     lines = []
@@ -388,8 +387,7 @@ def merge_sweep(shapes, out_dir, device: str = "cuda", L: int = 512):
             for block_l in (b for b in (32, 64, 128, 256, 512) if b <= L and block_s * b <= 16384):
                 out = torch.full((pairs, 1, L), float("nan"), dtype=torch.bfloat16, device=dev)
                 lse = torch.full((pairs, 1), float("nan"), dtype=torch.float32, device=dev)
-                merge = KernelLaunch(decode._kernel_for(decode._mla_merge_kernel, dev), (pairs, L // block_l),
-                                     (ns, L, block_s, block_l, ns <= block_s), dict(num_warps=4))
+                merge = decode.merge_launch(pairs, ns, L, dev, (block_s, block_l))
 
                 def run(merge=merge, out=out, lse=lse):
                     merge(pout, plse, out, lse)

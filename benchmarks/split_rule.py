@@ -14,8 +14,8 @@ count the logs timed (CUDA-graph replay). A shape timed in several logs: the fir
 by the picks it makes, not by a fit of the model's terms). ``--compare``: the rows the logs share (same case, format
 and split count), CUDA-graph µs in each and after over before, with each kernel's device µs where the log has them
 (a change's before/after: the same ``--splits`` command on two builds). ``--merge``: per shape of a ``bench_kernels.py
---merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. The logs behind docs/benchmarks.md section
-1, tenth and eleventh runs: docs/data/splits-h200-2026-11-28/.
+--merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. The logs behind
+docs/benchmarks.md section 1, tenth and eleventh runs: docs/data/splits-h200-2026-11-28/.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from mla_inductor.kernels import decode
 
 _ROW = re.compile(r"splits (sparse )?B=(\d+) H=(\d+) S=(\d+)(?: topk=(\d+))? (\w+)\s+"
                   r"(?:default \((\w+), ns=(\d+)\)|ns=(\d+)):\s+[\d.]+ us, in a CUDA graph\s+([\d.]+)")
-_HEADS = {"gluon_sm90": 64, "gluon_sm90_narrow": 16}  # heads per program
-_PER_SM = {"gluon_sm90": 1, "gluon_sm90_narrow": 2}  # programs per SM
-BLOCK_N = 64  # keys per tile, both Gluon kernels
+_H = decode._hopper()
+# Each Gluon kernel's (heads per program, keys per tile, programs per SM), as decode.gluon_config launches it.
+_TILING = {"gluon_sm90": (_H.HEADS_PER_PROGRAM, _H.TILINGS[0][0], 1),
+           "gluon_sm90_narrow": (_H.NARROW_BLOCK_H, _H.NARROW_BLOCK_N, 2)}
 
 
 def read_logs(paths) -> dict:
@@ -47,7 +48,7 @@ def read_logs(paths) -> dict:
                 if m[7]:
                     case["kernel"] = case["kernel"] or m[7]
                 case["us"].setdefault(int(m[8] or m[9]), float(m[10]))
-    return {k: v for k, v in cases.items() if v["kernel"] in _HEADS}
+    return {k: v for k, v in cases.items() if v["kernel"] in _TILING}
 
 
 _TIMED = re.compile(r"splits (.+?)(?: \(\w+, ns=\d+\))?:\s+[\d.]+ us, in a CUDA graph\s+([\d.]+) us.*?"
@@ -81,7 +82,8 @@ def compare(before_path, after_paths) -> list:
     return lines
 
 
-_MERGE_ROW = re.compile(r"merge pairs=(\d+) splits=(\d+) block_s=(\d+) block_l=(\d+)(?: \(merge_tile\))?:\s+([\d.]+) us")
+_MERGE_ROW = re.compile(r"merge pairs=(\d+) splits=(\d+) block_s=(\d+) block_l=(\d+)(?: \(merge_tile\))?:"
+                        r"\s+([\d.]+) us")
 
 
 def merge_picks(path, L: int = 512) -> list:
@@ -102,9 +104,9 @@ def merge_picks(path, L: int = 512) -> list:
 
 def pick(case_key, kernel: str, sms: int, with_partials: bool) -> int:
     B, H, S, _ = case_key
-    head_blocks = -(-H // _HEADS[kernel])
-    partial_bytes = B * H * (decode._hopper().L_DIM + 1) * 4 if with_partials else None
-    return decode.choose_splits(B, head_blocks, S, BLOCK_N, sms * _PER_SM[kernel], partial_bytes=partial_bytes)
+    heads, block_n, per_sm = _TILING[kernel]
+    partial_bytes = decode._partial_bytes(B, H) if with_partials else None
+    return decode.choose_splits(B, -(-H // heads), S, block_n, sms * per_sm, partial_bytes=partial_bytes)
 
 
 def _label(key) -> str:

@@ -281,9 +281,9 @@ def test_gluon_config_at_32_heads_and_an_unknown_kernel(monkeypatch):
 
 
 # The split merge's launch shapes (DecodeLaunch._use): (BLOCK_S, BLOCK_L, ONE_STEP) at L = 512.
-MERGE_SHAPES = sorted({(*dk.merge_tile(pairs, ns, 512), ns <= dk.merge_tile(pairs, ns, 512)[0])
-                       for pairs in (1, 16, 32, 64, 128, 256, 511, 512, 4096) for ns in (2, 5, 16, 20, 32, 64, 128)}
-                      | {(128, 32, False)})  # every tile merge_tile picks at L = 512, and the loop past 128 splits
+MERGE_SHAPES = sorted({(block_s, block_l, ns <= block_s)
+                       for pairs in (1, 16, 32, 64, 128, 256, 511, 512, 4096) for ns in (2, 5, 16, 20, 32, 64, 128, 130)
+                       for block_s, block_l in [dk.merge_tile(pairs, ns, 512)]})  # every tile picked at L = 512
 
 
 def _merge_spills(shapes=MERGE_SHAPES) -> dict:

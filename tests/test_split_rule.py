@@ -100,3 +100,15 @@ def test_the_merge_column_blocks_before_and_after(rule, capsys):
     rule.main(["--merge", os.path.join(LOGS, "merge-tiles-2.md")])
     second = capsys.readouterr().out.splitlines()
     assert len(second) == 6 and "picks (128, 128) (4.2 us, 1.05x)" in second[3]
+
+
+def test_bf16_partials_were_slower(rule):
+    # docs/benchmarks.md section 1, eleventh run, run 6 (the option since removed): each bf16-partials row against
+    # the fp32 row of the same shape, format and split count: slower in 30 of 32, equal in one, faster in one.
+    rows = rule.read_rows(os.path.join(LOGS, "run6.md"))
+    pairs = [(rows[label.replace(" partials=bf16", "")][0], us) for label, (us, _) in rows.items()
+             if " partials=bf16" in label]
+    assert len(pairs) == 32
+    assert [sum(b > f for f, b in pairs), sum(b == f for f, b in pairs), sum(b < f for f, b in pairs)] == [30, 1, 1]
+    assert rows["B=1 H=128 S=4096 bf16 default"][0] == 16.5
+    assert rows["B=1 H=128 S=4096 bf16 partials=bf16 default"][0] == 20.7

@@ -722,6 +722,16 @@ def merge_tile(pairs: int, ns: int, L: int) -> Tuple[int, int]:
     return block_s, block_l
 
 
+def merge_launch(pairs: int, ns: int, L: int, device: torch.device, tile: Optional[Tuple[int, int]] = None):
+    """The split merge of ``pairs`` (row, head) pairs of ``ns`` partials each, ``(pout, plse, out, lse)`` its
+    arguments: at ``merge_tile``'s tile, or at ``tile`` (splits per step, output columns per program; benchmarks)."""
+    from mla_inductor.kernels.launch import KernelLaunch
+
+    block_s, block_l = tile or merge_tile(pairs, ns, L)
+    return KernelLaunch(_kernel_for(_mla_merge_kernel, device), (pairs, L // block_l),
+                        (ns, L, block_s, block_l, ns <= block_s), dict(num_warps=4))
+
+
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns], two views
     of one allocation (an allocation costs several µs of a short call's host time on a GPU)."""
@@ -879,9 +889,7 @@ class DecodeLaunch:
         if ns > 1:
             # Few (row, head) pairs: each program merges BLOCK_L columns, so that more SMs share the work;
             # many: whole rows (4x the programs cost more than they spread: 2x at T*H = 4096).
-            block_s, block_l = merge_tile(T * H, ns, L)
-            self.merge = KernelLaunch(_kernel_for(_mla_merge_kernel, self.device), (T * H, L // block_l),
-                                      (ns, L, block_s, block_l, ns <= block_s), dict(num_warps=4))
+            self.merge = merge_launch(T * H, ns, L, self.device)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
                  lse=None, keep_workspace: bool = False, need_lse: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
