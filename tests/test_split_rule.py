@@ -112,3 +112,17 @@ def test_bf16_partials_were_slower(rule):
     assert [sum(b > f for f, b in pairs), sum(b == f for f, b in pairs), sum(b < f for f, b in pairs)] == [30, 1, 1]
     assert rows["B=1 H=128 S=4096 bf16 default"][0] == 16.5
     assert rows["B=1 H=128 S=4096 bf16 partials=bf16 default"][0] == 20.7
+
+
+def test_the_rule_and_the_merge_tiles_on_the_final_build(rule, capsys):
+    # docs/benchmarks.md section 1, eleventh run, last paragraph: on the final merge the split rule picks within
+    # 1.02x of the fastest count at all eight shapes of run 11 (the 128-split preference of run 9 at one sequence of
+    # 16-32 heads is gone), and the complete --merge-tiles sweep (its nine default shapes) reads merge_tile as
+    # merge-tiles-1 did: the fastest tile at six, 1.05x at 64 pairs x 128 splits, 1.10x and 1.12x at 256 pairs.
+    got = _run(rule, capsys, (11,))
+    assert got == ["old rule (partials left out, every count): geomean 1.049x, worst 1.15x, 2 untimed",
+                   "rule at 3.0 MB a tile: geomean 1.003x, worst 1.02x, 0 untimed"]
+    rule.main(["--merge", os.path.join(LOGS, "merge-tiles-3.md")])
+    out = capsys.readouterr().out.splitlines()
+    ratios = sorted(float(ln.split("us, ")[1].split("x)")[0]) for ln in out)
+    assert len(out) == 9 and ratios[-3:] == [1.05, 1.10, 1.12] and max(ratios[:6]) == 1.0
