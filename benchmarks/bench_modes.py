@@ -222,7 +222,7 @@ ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head count
 
 def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
             profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1, a_rounds: int = 1,
-            a_views: bool = False) -> None:
+            a_views: bool = False, a_backends: tuple[str, ...] = ()) -> None:
     for B, H, fmt in cases:
         label = f"B={B} H={H} {fmt}"
         if deadline.spent():
@@ -234,7 +234,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
         try:
             case = make_case(B, H, fmt)
             if "a" in parts:
-                back_to_back(case, results, deadline, rounds=a_rounds, views=a_views)
+                back_to_back(case, results, deadline, rounds=a_rounds, views=a_views, backends=a_backends)
             if "b" in parts and H in one_call_heads:
                 if deadline.spent():
                     results.skip("b", label, "time limit")
@@ -263,10 +263,12 @@ def _time_ours(case: Case, qs, caches, mode: str, row: dict, views: bool = False
     _free()
 
 
-def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int = 1, views: bool = False) -> None:
+def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int = 1, views: bool = False,
+                 backends: tuple[str, ...] = ()) -> None:
     """Part a's rows of one case. ``rounds``: peers and rows timed this many times in turn, each cell keeping
     its fastest round (as part b's ``rounds``). ``views``: our step takes each call's (q_nope, q_pe) made before
-    it, as the peers take theirs (``--a-query-views``)."""
+    it, as the peers take theirs (``--a-query-views``). ``backends``: then a row per backend, the same steps with
+    it preferred (as part b's)."""
     qs, caches, layers = peer_kernels.back_to_back_inputs(case, CALLS)
     steps = peer_steps(case, CALLS, layers, results, "a")
 
@@ -282,18 +284,19 @@ def back_to_back(case: Case, results: Results, deadline: Deadline, rounds: int =
     for round_index in range(rounds):
         peer_times = None if ours_first(round_index) else time_peers()
         timed = {}
-        for suffix, e4m3_query in query_classes(case):
-            row = timed[suffix] = dict(case=case.label + suffix, best_peer=None, peer_us=None)
-            with query_context(e4m3_query):
+        for variant in variants_of(case, backends):
+            suffix, e4m3_query, preferred = variant
+            row = timed[variant] = dict(case=variant_label(case, variant), best_peer=None, peer_us=None)
+            with query_context(e4m3_query), preferring(preferred):
                 for mode in A_MODES:
                     if deadline.spent():
                         row[f"{mode}_us"] = "time limit"
                         continue
                     _time_ours(case, qs, caches, mode, row, views=views)
         peer_times = time_peers() if peer_times is None else peer_times
-        for suffix, e4m3_query in query_classes(case):
-            row = with_peer(timed[suffix], peers_of_class(peer_times, e4m3_query), A_MODES)
-            rows[suffix] = _fastest_round(rows.get(suffix), row, A_MODES)
+        for variant, row in timed.items():
+            row = with_peer(row, peers_of_class(peer_times, variant[1]), A_MODES)
+            rows[variant] = _fastest_round(rows.get(variant), row, A_MODES)
     for row in rows.values():
         results.add("a", row)
 
@@ -336,6 +339,22 @@ def query_context(e4m3_query: bool):
     return mla_inductor.allow_fp8_query() if e4m3_query else contextlib.nullcontext()
 
 
+def variants_of(case: Case, backends: tuple[str, ...]) -> list[tuple[str, bool, Optional[str]]]:
+    """(label suffix, q in e4m3, preferred backend or None) of each row a case gets in parts a and b: every
+    query class (``query_classes``), first as the op chooses, then with each of ``backends`` preferred."""
+    return [(suffix, e4m3_query, preferred) for suffix, e4m3_query in query_classes(case)
+            for preferred in (None, *backends)]
+
+
+def variant_label(case: Case, variant: tuple[str, bool, Optional[str]]) -> str:
+    suffix, _, preferred = variant
+    return case.label + suffix + ("" if preferred is None else f", {preferred} preferred")
+
+
+def preferring(backend: Optional[str]):
+    return mla_inductor.prefer_backends(backend) if backend else contextlib.nullcontext()
+
+
 def one_call(case: Case, results: Results, profile: bool = False, backends: tuple[str, ...] = (),
              rounds: int = 1) -> None:
     """A graph of one call vs the fastest peer's single call (each timed alone, L2 flushed before it).
@@ -343,8 +362,7 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
     ``backends``: then a row per backend, the same graphs with it preferred. ``rounds``: the whole case (peers,
     each row's graphs, the floors) is timed this many times in turn, each cell keeping its fastest round."""
     qs, caches = [case.c["q"]], [case.kv_cache]
-    variants = [(suffix, e4m3_query, preferred) for suffix, e4m3_query in query_classes(case)
-                for preferred in (None, *backends)]
+    variants = variants_of(case, backends)
     rows: dict = {}
     peers = peer_steps(case, 1, [{}], results, "b")
 
@@ -357,10 +375,8 @@ def one_call(case: Case, results: Results, profile: bool = False, backends: tupl
         timed = {}
         for variant in variants:
             suffix, e4m3_query, preferred = variant
-            label = case.label + suffix + ("" if preferred is None else f", {preferred} preferred")
-            row = timed[variant] = dict(case=label, best_peer=None, peer_us=None)
-            with query_context(e4m3_query), (mla_inductor.prefer_backends(preferred) if preferred
-                                             else contextlib.nullcontext()):
+            row = timed[variant] = dict(case=variant_label(case, variant), best_peer=None, peer_us=None)
+            with query_context(e4m3_query), preferring(preferred):
                 for mode in B_MODES:
                     _time_ours(case, qs, caches, mode, row)
                     if preferred is None:
@@ -726,6 +742,8 @@ def main(argv=None) -> None:
     p.add_argument("--b-profile", action="store_true",
                    help="part b: after each case's timings, print torch.profiler's kernel table of its one-call graphs "
                         "(the profiler's session slows what follows it: later cases read slower)")
+    p.add_argument("--a-backends", type=lambda text: tuple(text.split(",")), default=(),
+                   help="part a: after each case's row, a row per backend named (comma-separated) with it preferred")
     p.add_argument("--b-backends", type=lambda text: tuple(text.split(",")), default=(),
                    help="part b: after each case's row, a row per backend named (comma-separated) with it preferred")
     p.add_argument("--b-rounds", type=int, default=1,
@@ -762,7 +780,7 @@ def main(argv=None) -> None:
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
                 (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile,
                 b_backends=args.b_backends, b_rounds=args.b_rounds, a_rounds=args.a_rounds,
-                a_views=args.a_query_views)
+                a_views=args.a_query_views, a_backends=args.a_backends)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

@@ -284,3 +284,14 @@ def test_our_step_on_query_views_makes_the_same_calls():
             got = step(report.query_views(qs), *args)
         assert len(got) == 3 and all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, sliced))
     assert not torch.allclose(sliced[0], sliced[1])  # the calls differ: each call got its own query
+
+
+def test_bench_modes_rows_with_a_backend_preferred():
+    """Parts a and b give each query class a row as the op chooses, then one per backend named."""
+    load_benchmark("report")
+    bench_modes = load_benchmark("bench_modes")
+    variants = bench_modes.variants_of(_case(fmt="fp8_e4m3"), ("triton",))
+    assert [(v[1], v[2]) for v in variants] == [(False, None), (False, "triton"), (True, None), (True, "triton")]
+    labels = [bench_modes.variant_label(_case(fmt="bf16"), v) for v in bench_modes.variants_of(_case(fmt="bf16"),
+                                                                                               ("triton",))]
+    assert labels[1] == labels[0] + ", triton preferred"
