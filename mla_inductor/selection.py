@@ -129,11 +129,13 @@ TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
     Row("sm90", BF16, False, ("triton", "flashinfer_fa3", "flashmla", "flashinfer_fa2", "reference"),
-        "H100, one sequence, few heads (a TP=8 shard of DeepSeek-V3), in a whole step captured in CUDA graphs: our "
-        "Triton kernel 14.4 us per call against FlashInfer FA3's 19.8 (61 calls back to back, docs/benchmarks.md "
-        "section 4, sixth run; at H=128 the two tie, 20.8 vs 20.75 us). Not eagerly or without CUDA graphs, where "
-        "its two launches cost more host time than FA3's whole call",
-        max_batch=1, max_heads=16, graph=CAPTURED_STEP),
+        "One sequence in a whole step captured in CUDA graphs, any head count: our Triton kernel against "
+        "FlashInfer FA3 (the default here before), 61 calls back to back, µs per call on an H200: H=16 9.9 vs "
+        "19.4, H=32 11.2 vs 19.5, H=64 14.8 vs 20.4, H=128 15.7 vs 20.1 (docs/benchmarks.md section 4, twentieth "
+        "run; on the H100, before the split rule and merge of 2026-11-28, H=16 14.4 vs 19.8 and a tie at H=128, "
+        "sixth run). Not eagerly or without CUDA graphs, where its two launches cost more host time than FA3's "
+        "whole call (H=128: 37.2 vs 30.8 us eager, 31.2 vs 21.9 compiled)",
+        max_batch=1, graph=CAPTURED_STEP),
     Row("sm90", BF16, False, SM90_TRITON_FIRST,
         "H100, one sequence, a graph of one call (a layer compiled alone, an MTP draft layer): our Triton kernel's "
         "two launches (split-KV decode 12.8 us + merge 6.3 us of device time at H=128) against FlashMLA's "
