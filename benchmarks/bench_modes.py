@@ -152,8 +152,8 @@ def _free() -> None:
 
 # ----------------------------------------------------------------------------- cases and steps
 
-def make_case(B: int, H: int, fmt: str, seed: int = 0) -> Case:
-    case = peer_kernels.format_case(B, H, S, fmt, seed=seed)
+def make_case(B: int, H: int, fmt: str, seed: int = 0, varlen: bool = False) -> Case:
+    case = peer_kernels.format_case(B, H, S, fmt, seed=seed, varlen=varlen)
     mla_inductor.register_host_lengths(case.c["lens"], case.host_lens)
     return case
 
@@ -222,9 +222,9 @@ ONE_CALL_HEADS = (128,)  # part b's cases: those of part a with these head count
 
 def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, results: Results,
             profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1, a_rounds: int = 1,
-            a_views: bool = False, a_backends: tuple[str, ...] = ()) -> None:
+            a_views: bool = False, a_backends: tuple[str, ...] = (), varlen: bool = False) -> None:
     for B, H, fmt in cases:
-        label = f"B={B} H={H} {fmt}"
+        label = f"B={B} H={H} {fmt}" + (" varlen" if varlen else "")
         if deadline.spent():
             for p in "ab":
                 if p in parts:
@@ -232,7 +232,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
             continue
         progress(f"## {label}")
         try:
-            case = make_case(B, H, fmt)
+            case = make_case(B, H, fmt, varlen=varlen)
             if "a" in parts:
                 back_to_back(case, results, deadline, rounds=a_rounds, views=a_views, backends=a_backends)
             if "b" in parts and H in one_call_heads:
@@ -742,6 +742,8 @@ def main(argv=None) -> None:
     p.add_argument("--b-profile", action="store_true",
                    help="part b: after each case's timings, print torch.profiler's kernel table of its one-call graphs "
                         "(the profiler's session slows what follows it: later cases read slower)")
+    p.add_argument("--varlen", action="store_true",
+                   help="parts a and b: each sequence's length drawn in [S/8, S] (a fixed seed) instead of S for all")
     p.add_argument("--a-backends", type=lambda text: tuple(text.split(",")), default=(),
                    help="part a: after each case's row, a row per backend named (comma-separated) with it preferred")
     p.add_argument("--b-backends", type=lambda text: tuple(text.split(",")), default=(),
@@ -780,7 +782,7 @@ def main(argv=None) -> None:
         part_ab(args.cases or (QUICK_CASES if args.quick else CASES), args.parts,
                 (16, 128) if args.all else ONE_CALL_HEADS, deadline, results, profile_b=args.b_profile,
                 b_backends=args.b_backends, b_rounds=args.b_rounds, a_rounds=args.a_rounds,
-                a_views=args.a_query_views, a_backends=args.a_backends)
+                a_views=args.a_query_views, a_backends=args.a_backends, varlen=args.varlen)
     if "c" in args.parts:
         progress("# part c: one function, changing batch sizes")
         part_c(("bf16", "fp8_e4m3") if args.all else ("bf16",), args.c_calls, args.c_cudagraphs, deadline, results)

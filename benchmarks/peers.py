@@ -177,14 +177,15 @@ class FormatCase:
     cache_key: str  # the entry of ``c`` the format's peers read their cache from
     reference: torch.Tensor  # fp32 [B, H, 512] on the cache's values as stored (fp8: dequantized), bf16 q
     host_lens: torch.Tensor  # a host copy of ``c["lens"]``
+    varlen: bool = False  # lengths drawn in [S/8, S] (``make_case``), else S for every sequence
 
     @property
     def label(self) -> str:
-        return f"B={self.B} H={self.H} {self.fmt}"
+        return f"B={self.B} H={self.H} {self.fmt}" + (" varlen" if self.varlen else "")
 
 
-def format_case(B: int, H: int, S: int, fmt: str, seed: int = 0) -> FormatCase:
-    c = make_case(B, H, S, seed=seed)
+def format_case(B: int, H: int, S: int, fmt: str, seed: int = 0, varlen: bool = False) -> FormatCase:
+    c = make_case(B, H, S, varlen=varlen, seed=seed)
     if fmt == "bf16":
         kv_cache, kv_scale, key, ref = c["cache"], torch.ones(1, device="cuda"), "cache", reference(c)
     elif fmt == "fp8_e4m3":
@@ -192,7 +193,7 @@ def format_case(B: int, H: int, S: int, fmt: str, seed: int = 0) -> FormatCase:
         kv_scale, key, ref = k_scale.reshape(1).float(), "cache_fp8", c["ref_fp8"]
     else:
         raise ValueError(f"format_case: fmt must be one of {sorted(DIRECT_PEERS)}, got {fmt!r}")
-    return FormatCase(B, H, fmt, c, kv_cache, kv_scale, key, ref, c["lens"].cpu())
+    return FormatCase(B, H, fmt, c, kv_cache, kv_scale, key, ref, c["lens"].cpu(), varlen)
 
 
 def layer_caches(kv_cache: torch.Tensor, calls: int, budget: int = CACHE_COPIES_BYTES) -> list:

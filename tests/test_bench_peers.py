@@ -295,3 +295,10 @@ def test_bench_modes_rows_with_a_backend_preferred():
     labels = [bench_modes.variant_label(_case(fmt="bf16"), v) for v in bench_modes.variants_of(_case(fmt="bf16"),
                                                                                                ("triton",))]
     assert labels[1] == labels[0] + ", triton preferred"
+
+
+def test_a_case_of_varied_lengths_says_so():
+    import dataclasses
+
+    case = _case()
+    assert dataclasses.replace(case, varlen=True).label == case.label + " varlen"

@@ -55,7 +55,11 @@ def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
     (16, 1, CallContext(61, captured=False), "flashinfer_fa3"),  # compiled without graphs: Triton's launches cost
     (16, 1, None, "flashinfer_fa3"),                            # eager
     (128, 1, CallContext(61, captured=True), "triton"),          # any H (twentieth run: 15.7 vs FA3's 20.1 us)
-    (16, 2, CallContext(61, captured=True), "flashmla"),
+    (16, 2, CallContext(61, captured=True), "triton"),           # up to 8 sequences of <= 16 heads (twentieth run)
+    (16, 8, CallContext(61, captured=True), "triton"),
+    (16, 9, CallContext(61, captured=True), "flashmla"),
+    (32, 8, CallContext(61, captured=True), "flashmla"),
+    (128, 4, CallContext(61, captured=True), "flashmla"),        # FlashMLA ahead on varied lengths
     # One-call graphs (a layer compiled alone, an MTP draft layer) at B=1: Triton's two kernels, any H.
     (16, 1, CallContext(1, captured=True), "triton"),
     (128, 1, CallContext(1, captured=True), "triton"),
