@@ -94,8 +94,9 @@ def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
 ])
 def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
     """The rows limited to a kind of program (captured whole steps at B=1: docs/benchmarks.md section 4, sixth
-    run at H <= 16, twentieth at any H; one-call graphs at B=1 any H: eighth run; at B <= 32 H <= 16: tenth run; eager calls and steps
-    without CUDA graphs at B <= 16, and B <= 32 H <= 16: eleventh run) apply to exactly those calls."""
+    run at H <= 16, twentieth at any H, and at B <= 8 H <= 16: twentieth run; one-call graphs at B=1 any H: eighth
+    run; at B <= 32 H <= 16: tenth run; eager calls and steps without CUDA graphs at B <= 16, and B <= 32 H <= 16:
+    eleventh run) apply to exactly those calls."""
     problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
