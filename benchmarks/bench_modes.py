@@ -224,7 +224,7 @@ def part_ab(cases, parts: str, one_call_heads: tuple, deadline: Deadline, result
             profile_b: bool = False, b_backends: tuple[str, ...] = (), b_rounds: int = 1, a_rounds: int = 1,
             a_views: bool = False, a_backends: tuple[str, ...] = (), varlen: bool = False) -> None:
     for B, H, fmt in cases:
-        label = f"B={B} H={H} {fmt}" + (" varlen" if varlen else "")
+        label = peer_kernels.case_label(B, H, fmt, varlen)
         if deadline.spent():
             for p in "ab":
                 if p in parts:

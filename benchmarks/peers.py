@@ -181,7 +181,11 @@ class FormatCase:
 
     @property
     def label(self) -> str:
-        return f"B={self.B} H={self.H} {self.fmt}" + (" varlen" if self.varlen else "")
+        return case_label(self.B, self.H, self.fmt, self.varlen)
+
+
+def case_label(B: int, H: int, fmt: str, varlen: bool = False) -> str:
+    return f"B={B} H={H} {fmt}" + (" varlen" if varlen else "")
 
 
 def format_case(B: int, H: int, S: int, fmt: str, seed: int = 0, varlen: bool = False) -> FormatCase:
