@@ -1,7 +1,8 @@
 """The op in every way a user runs it, against the fastest peer called directly.
 
     python benchmarks/bench_modes.py [--parts a,b,c,d] [--quick] [--cases 1x128:fp8_e4m3,...] [--time-limit 510]
-        [--a-query-views] [--dispatcher-calls] [--no-call-sites] [--no-kept-views] [--no-eager-repeat] [--out DIR]
+        [--a-backends triton,...] [--b-backends triton,...] [--varlen] [--a-query-views] [--dispatcher-calls]
+        [--no-call-sites] [--no-kept-views] [--no-eager-repeat] [--out DIR]
 
 Parts (each selectable with ``--parts``; all by default):
 
@@ -23,6 +24,10 @@ a. 61 calls back to back (one DeepSeek-V3 step's attention layers), B in {1, 32,
    fastest round (as ``--b-rounds``). Our step slices each call's q_nope / q_pe from its [T, H, 576] query, two
    view ops per call that the peers' steps make once, outside (``peers.split_query``); ``--a-query-views`` hands
    ours the views made once too (``report.query_views``), as a model hands the op its q_nope and q_pe.
+   ``--a-backends triton,flashinfer_fa3`` adds a row per named backend after each case's own, as ``--b-backends``
+   does in part b: how a selection row for whole steps is decided. ``--varlen`` (parts a and b): each sequence's
+   length drawn in [S/8, S] (fixed seed) instead of S for all, where a kernel splitting every sequence alike
+   meets schedulers that balance unequal lengths.
 b. A one-call compiled graph (an MTP draft layer, a layer compiled alone), with and without CUDA graphs,
    plan included, against the fastest peer's single call (plan outside), on part a's cases with H=128
    (``--all``: H=16 too; fp8_e4m3 cases in both query precisions, as in a). Target <= 1.3. Beside each mode,
