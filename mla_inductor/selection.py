@@ -177,10 +177,6 @@ TABLE: tuple[Row, ...] = (
         "61.5 (eleventh run). At H=128 FlashMLA's kernel is long enough to hide its host work (compiled 80.7 vs "
         "84.6 us)",
         max_batch=32, max_heads=16, graph=UNCAPTURED),
-    Row("sm90", BF16, False, SM90_FA3_FIRST,
-        "H100, one sequence (static B=1, nothing for FA3's scheduler to balance): FlashInfer FA3 was ahead of "
-        "FlashMLA per compiled call at H=128 and H=16 in every run (docs/benchmarks.md section 2)",
-        max_batch=1),
     Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
         "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins on "
         "variable lengths (H=16: 139 vs FA3's 163 us at B=128, 74.6 vs 86.7 at B=64; section 4, eleventh run) and "

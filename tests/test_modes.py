@@ -114,27 +114,28 @@ def lowered(calls: int, fmt: str, B, T=None, heads=H, sizes: Sizes | None = None
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_symbolic_batch_selects_like_the_static_one(fake_sm90, fmt, heads):
     """B, T and H symbolic, as ``dynamic=True`` makes them: H is fixed to its traced value by a guard, Q = T / B
-    by a guard, and B (traced 8) falls in the class 1 < B <= 16 (the table's batch limits are 1, 16 and 32), whose
-    backend is the static B=8's; B is guarded only at the class limits where the selection changes."""
-    _, (static,) = lowered(1, fmt, B=8, heads=heads)
+    by a guard, and B (traced 12) falls in the class 8 < B <= 16 (the table's batch limits are 1, 8, 16 and 32),
+    whose backend is the static B=12's; B is guarded only at the class limits where the selection changes."""
+    _, (static,) = lowered(1, fmt, B=12, heads=heads)
     sizes = Sizes()
-    B, T, sym_heads = sizes.symbolic("B", 8), sizes.symbolic("T", 8), sizes.symbolic("H", heads)
+    B, T, sym_heads = sizes.symbolic("B", 12), sizes.symbolic("T", 12), sizes.symbolic("H", heads)
     code, (symbolic,) = lowered(1, fmt, B=B, T=T, heads=sym_heads, sizes=sizes)
     # fp8_e4m3 goes to a kernel keeping q in bf16 unless the call opted in to an e4m3 query (Triton on SM90);
     # a one-call bf16 graph of up to 32 sequences to Triton too (uncaptured: any H; captured: H <= 16), and
     # fp8_ds_mla at H=128 to FlashMLA.
     expected = "triton" if fmt in ("fp8_e4m3", "bf16") or heads <= 16 else "flashmla"
     assert symbolic.backend == static.backend == expected
-    assert symbolic.problem == dataclasses.replace(static.problem, batch=16)  # the class 1 < B <= 16 (table limits)
+    assert symbolic.problem == dataclasses.replace(static.problem, batch=16)  # the class 8 < B <= 16 (table limits)
     assert f"num_heads: specialized to {heads}" in symbolic.notes
     # Only the batch limits where the selection changes are guarded: uncaptured one-call bf16 graphs go to Triton
     # up to B=32 (then to FlashMLA); fp8 (q in bf16) goes to Triton at any B.
     cls = {("bf16", 16): "B <= 32", ("bf16", 128): "B <= 32"}.get((fmt, heads), "any B")
-    assert f"batch: symbolic (traced 8), class {cls}" in symbolic.notes
+    assert f"batch: symbolic (traced 12), class {cls}" in symbolic.notes
     assert any(note.startswith("q_per_seq: specialized to 1") for note in symbolic.notes)
     guards = [str(g.expr) for g in sizes.env.guards]
     assert any(g.endswith(f", {heads})") and g.startswith("Eq(") for g in guards), guards  # H guarded
-    # B's class limits are the only inequalities; B > 1 needs no guard (a symbolic size is known to be >= 2).
+    # B's class limits are the only inequalities; B > 1 needs no guard (a symbolic size is known to be >= 2), nor
+    # B > 8 here (the B <= 8 row is for captured steps only: this graph selects alike on both sides).
     limits = [g for g in guards if "<" in g or ">" in g]
     assert len(limits) == (1 if cls == "B <= 32" else 0), guards
     FileCheck().check_not("torch.ops.mla.paged_decode").check("mla_flashmla" if expected == "flashmla" else "mla_").run(code)
@@ -156,7 +157,7 @@ def test_a_batch_limit_inside_the_symbolic_range_is_guarded(fake_sm90, monkeypat
 
 
 def test_the_batch_class_follows_the_table():
-    """Static B=1 takes the B=1 row (FA3 on an H100 with bf16), a symbolic or unbacked B the B > 1 row."""
+    """An eager call of static B=1 takes the row of eager calls up to B=16 (FA3 on SM90 with bf16)."""
     from mla_inductor.info import example_problem
 
     one = select_backend(example_problem("cuda", "bf16", False, H, 64, batch=1), SM90, available=EVERYTHING,
