@@ -130,7 +130,7 @@ TABLE: tuple[Row, ...] = (
     Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
     Row("sm90", BF16, False, ("triton", "flashinfer_fa3", "flashmla", "flashinfer_fa2", "reference"),
         "One sequence in a whole step captured in CUDA graphs, any head count: our Triton kernel against "
-        "FlashInfer FA3 (the default here before), 61 calls back to back, µs per call on an H200: H=16 9.9 vs "
+        "FlashInfer FA3 (the default here before), 61 calls back to back, us per call on an H200: H=16 9.9 vs "
         "19.4, H=32 11.2 vs 19.5, H=64 14.8 vs 20.4, H=128 15.7 vs 20.1 (docs/benchmarks.md section 4, twentieth "
         "run; on the H100, before the split rule and merge of 2026-11-28, H=16 14.4 vs 19.8 and a tie at H=128, "
         "sixth run). Not eagerly or without CUDA graphs, where its two launches cost more host time than FA3's "

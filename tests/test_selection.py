@@ -227,3 +227,43 @@ def test_backend_for_call_follows_a_preference_on_cpu():
     x = make_decode_inputs([5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4)
     with mla_inductor.prefer_backends("triton"):
         assert mla_inductor.backend_for_call(*x.args()).backend == "triton"
+
+
+MODES_LOGS = Path(__file__).resolve().parent.parent / "docs" / "data" / "modes-h200-2026-11-28"
+
+
+def _part_a(name: str) -> dict:
+    """{case label: {column: cell}} of a committed ``bench_modes.py --parts a`` output."""
+    lines = [ln for ln in (MODES_LOGS / name).read_text().splitlines() if ln.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[1:]]
+    return {row["case"]: row for row in rows}
+
+
+def _graphs_us(rows: dict, case: str) -> float:
+    return float(rows[case]["cudagraphs_us"])
+
+
+def test_the_captured_step_rows_follow_the_committed_measurements():
+    # docs/benchmarks.md section 4, twentieth run (H200, 61 calls, CUDA graphs): the figures the two captured-step
+    # rows quote, and the choices they make, read from the commands' own outputs.
+    one = _part_a("part-a-1.md")
+    for H in (16, 32, 64, 128):
+        triton_us = _graphs_us(one, f"B=1 H={H} bf16, triton preferred")
+        assert triton_us < _graphs_us(one, f"B=1 H={H} bf16, flashinfer_fa3 preferred") * 0.8, H
+    assert _graphs_us(one, "B=1 H=128 bf16, triton preferred") == 15.73
+    assert _graphs_us(one, "B=1 H=128 bf16") == 20.06
+    assert one["B=1 H=128 bf16"]["cudagraphs_backend"] == "flashinfer_fa3"
+    after = _part_a("part-a-3.md")
+    assert after["B=1 H=128 bf16"]["cudagraphs_backend"] == "triton" and _graphs_us(after, "B=1 H=128 bf16") == 15.71
+    # Up to 8 sequences of 16 heads: Triton ahead of FlashMLA (the default then) on equal and on varied lengths.
+    varied = _part_a("part-a-4.md")
+    assert (_graphs_us(after, "B=8 H=16 bf16, triton preferred"), _graphs_us(after, "B=8 H=16 bf16")) == (19.56, 22.41)
+    assert _graphs_us(varied, "B=8 H=16 bf16 varlen, triton preferred") < _graphs_us(varied, "B=8 H=16 bf16 varlen")
+    # 128 heads: FA3 ahead on equal lengths only; on varied ones FlashMLA (the general row) ahead of both.
+    for B in (4, 8):
+        assert _graphs_us(after, f"B={B} H=128 bf16, flashinfer_fa3 preferred") < _graphs_us(after, f"B={B} H=128 bf16")
+        default = _graphs_us(varied, f"B={B} H=128 bf16 varlen")
+        assert varied[f"B={B} H=128 bf16 varlen"]["cudagraphs_backend"] == "flashmla"
+        assert default < min(_graphs_us(varied, f"B={B} H=128 bf16 varlen, {b} preferred")
+                             for b in ("triton", "flashinfer_fa3")), B

@@ -527,7 +527,7 @@ def gluon_config(kernel: str, T: int, H: int, kv_len: int, device: torch.device)
 
 def _partial_bytes(T: int, H: int) -> int:
     """Bytes one split adds to a Gluon call's partials: an fp32 output row and log-sum-exp per (row, head)."""
-    return T * H * (_hopper().L_DIM + 1) * 4
+    return _partials_numel(T, H, 1, _hopper().L_DIM) * 4
 
 
 def tl_dot_config(T: int, H: int, kv_len: int, device: torch.device) -> DecodeConfig:
@@ -684,7 +684,7 @@ def _split_partials(launch: "DecodeLaunch"):
     again only when that workspace changed), else a fresh ``_alloc_partials``."""
     T, H, L = launch.out_shape
     ns, device = launch.splits, launch.device
-    numel = T * H * ns * (L + 1)
+    numel = _partials_numel(T, H, ns, L)
     if device.type != "cuda" or numel * 4 > WORKSPACE_KEEP_BYTES or _capturing():
         return _alloc_partials(T, H, ns, L, device)
     key = (device.index, _current_stream(device.index))
@@ -735,8 +735,13 @@ def merge_launch(pairs: int, ns: int, L: int, device: torch.device, tile: Option
 def _alloc_partials(T: int, H: int, ns: int, L: int, device: torch.device):
     """Split-KV workspace: normalised partial outputs [T, H, ns, L] and log2-domain lse [T, H, ns], two views
     of one allocation (an allocation costs several µs of a short call's host time on a GPU)."""
-    workspace = torch.empty(T * H * ns * (L + 1), dtype=torch.float32, device=device)
+    workspace = torch.empty(_partials_numel(T, H, ns, L), dtype=torch.float32, device=device)
     return _partial_views(workspace, T, H, ns, L)
+
+
+def _partials_numel(T: int, H: int, ns: int, L: int) -> int:
+    """fp32 values of a split-KV workspace: an output row and a log-sum-exp per (row, head, split)."""
+    return T * H * ns * (L + 1)
 
 
 def _partial_views(workspace: torch.Tensor, T: int, H: int, ns: int, L: int):
