@@ -1,7 +1,8 @@
 """How well ``decode.choose_splits`` picks, read off ``bench_kernels.py --splits`` logs (no GPU needed).
 
-For every case and cache format a log times (fp32 partials, the default kernel), the split count the rule picks
-now and the one the old rule picked (the partials left out, every count weighed), each as its time over the fastest
+For every case and cache format a log times (fp32 partials; the default kernel, or the ``tl.dot`` kernel in a
+``--splits-kernel=tl_dot`` log), the split count the rule picks with the partials' term and without it (the old rule
+of the Gluon kernels, every count weighed; the ``tl.dot`` kernel's rule now), each as its time over the fastest
 count the logs timed (CUDA-graph replay). A shape timed in several logs: the first log's figures.
 
     python benchmarks/split_rule.py LOG.md [LOG.md ...] [--formats=bf16,fp8,ds] [--bytes-per-tile=3e6,3.5e6]
@@ -48,7 +49,7 @@ def read_logs(paths) -> dict:
                 if m[7]:
                     case["kernel"] = case["kernel"] or m[7]
                 case["us"].setdefault(int(m[8] or m[9]), float(m[10]))
-    return {k: v for k, v in cases.items() if v["kernel"] in _TILING}
+    return {k: v for k, v in cases.items() if v["kernel"] in (*_TILING, "tl_dot")}
 
 
 _TIMED = re.compile(r"splits (.+?)(?: \(\w+, ns=\d+\))?:\s+[\d.]+ us, in a CUDA graph\s+([\d.]+) us.*?"
@@ -102,9 +103,17 @@ def merge_picks(path, L: int = 512) -> list:
     return lines
 
 
+def _tiling(kernel: str, H: int) -> tuple:
+    """(heads per program, keys per tile, programs per SM) of ``kernel`` at H heads, as the library launches it."""
+    if kernel == "tl_dot":
+        heads, _, block_n, _, per_sm = decode.tl_dot_tiling(H)
+        return heads, block_n, per_sm
+    return _TILING[kernel]
+
+
 def pick(case_key, kernel: str, sms: int, with_partials: bool) -> int:
     B, H, S, _ = case_key
-    heads, block_n, per_sm = _TILING[kernel]
+    heads, block_n, per_sm = _tiling(kernel, H)
     partial_bytes = decode._partial_bytes(B, H) if with_partials else None
     return decode.choose_splits(B, -(-H // heads), S, block_n, sms * per_sm, partial_bytes=partial_bytes)
 
@@ -150,9 +159,9 @@ def main(argv=None):
     formats = flags.get("formats", "bf16,fp8,ds,sparse-bf16,sparse-ds").split(",")
     cases = {k: v for k, v in read_logs(logs).items() if k[3] in formats}
     if not cases:
-        raise SystemExit(f"no --splits rows of a Gluon kernel in {logs}")
+        raise SystemExit(f"no --splits rows of our kernels in {logs}")
     lines, geo, worst, untimed = score(cases, sms, with_partials=False)
-    print(f"old rule (partials left out, every count): geomean {geo:.3f}x, worst {worst:.2f}x, {untimed} untimed")
+    print(f"without the partials' term (every count): geomean {geo:.3f}x, worst {worst:.2f}x, {untimed} untimed")
     print("\n".join(lines))
     for bpt in [float(v) for v in flags.get("bytes-per-tile", str(decode.PARTIAL_BYTES_PER_TILE)).split(",")]:
         kept, decode.PARTIAL_BYTES_PER_TILE = decode.PARTIAL_BYTES_PER_TILE, bpt

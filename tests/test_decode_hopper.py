@@ -237,16 +237,24 @@ def test_a_narrow_config_the_call_cannot_take_falls_back_to_the_tl_dot_kernels_o
     assert launch.config.block_n == dk.tl_dot_config(2, 16, 32, torch.device("cpu")).block_n
 
 
-@pytest.mark.parametrize("H,fallback_block_h", [(128, 64), (32, 32)])
-def test_the_wide_kernels_fallback_is_the_tl_dot_kernels_best_tiling(monkeypatch, H, fallback_block_h):
-    # A call the wide Gluon kernel is chosen for but cannot take (here a cache of another latent width) runs the
-    # tl.dot kernel: at 128 heads at the Gluon kernel's tiling and splits (the tl.dot kernel's own there), at 32 heads
-    # at the tl.dot kernel's own 32-head tiling, not the 64-head one half of which would be empty.
+@pytest.fixture
+def as_on_an_sm90_gpu(monkeypatch):
+    """DecodeLaunch on CPU tensors configured as on a 132-SM SM90 GPU (the Gluon kernels chosen, GPU tilings)."""
     monkeypatch.setattr(dk, "_hopper_kernel_runs_on", lambda device: True)
     monkeypatch.setattr(dk, "_sm_count", lambda device: 132)
     gpu_tiling = dk.tl_dot_config
     monkeypatch.setattr(dk, "tl_dot_config",
                         lambda T, H, kv_len, device: gpu_tiling(T, H, kv_len, torch.device("cuda")))
+    dk._choose_config_cached.cache_clear()
+    yield
+    dk._choose_config_cached.cache_clear()
+
+
+@pytest.mark.parametrize("H,fallback_block_h", [(128, 64), (32, 32)])
+def test_the_wide_kernels_fallback_is_the_tl_dot_kernels_best_tiling(as_on_an_sm90_gpu, H, fallback_block_h):
+    # A call the wide Gluon kernel is asked for but cannot take (here a cache of another latent width) runs the
+    # tl.dot kernel: at 128 heads at the given config's tiling and splits (the tiling is the tl.dot kernel's own
+    # there), at 32 heads at the tl.dot kernel's own 32-head tiling, not the 64-head one half of which would be empty.
     cfg = dk.gluon_config("gluon_sm90", 2, H, 64, torch.device("cuda", 0))
     c = dict(q_nope=torch.randn(2, H, 256, dtype=torch.bfloat16), q_pe=torch.randn(2, H, 64, dtype=torch.bfloat16),
              kv_cache=torch.randn(4, 16, 320, dtype=torch.bfloat16), block_table=torch.tensor([[0, 1], [2, 3]],
@@ -332,3 +340,21 @@ def test_the_split_merge_compiles_for_sm90_without_spilling():
     old_way = report.pop("128-512-True")
     assert report == {f"{s}-{c}-{o}": 0 for s, c, o in MERGE_SHAPES}, report
     assert isinstance(old_way, int) and old_way > 0, old_way
+
+
+@pytest.mark.parametrize("B,S", [(2, 4096), (8, 1024), (1, 4096)])
+def test_the_chosen_wide_kernels_fallback_takes_the_tl_dot_kernels_own_splits(as_on_an_sm90_gpu, B, S):
+    # No config given: where the wide kernel is chosen but cannot take the call, the tl.dot kernel runs at its own
+    # split count (its rule leaves the partials out), not the Gluon kernel's (an H200 sweep: the Gluon count took
+    # 1.05-1.36x the fastest count's time on the tl.dot kernel at these shapes, its own count the fastest).
+    pages = S // 16
+    c = dict(q_nope=torch.randn(B, 128, 256, dtype=torch.bfloat16), q_pe=torch.randn(B, 128, 64, dtype=torch.bfloat16),
+             kv_cache=torch.randn(B * pages, 16, 320, dtype=torch.bfloat16),
+             block_table=torch.arange(B * pages, dtype=torch.int32).reshape(B, pages),
+             seq_lens=torch.full((B,), S, dtype=torch.int32), softmax_scale=0.1, kv_scale=None)
+    launch = dk.DecodeLaunch(**c)
+    own = dk.tl_dot_config(B, 128, S, torch.device("cuda"))
+    wide = dk.gluon_config("gluon_sm90", B, 128, S, torch.device("cuda"))
+    assert launch.config.kernel == "tl_dot"
+    assert repr(launch.config) == repr(own)
+    assert wide.num_splits != own.num_splits  # the Gluon kernel's count: what the fallback took before

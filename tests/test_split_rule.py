@@ -23,7 +23,7 @@ def test_the_rule_against_the_shapes_it_was_fitted_on(rule, capsys):
     # bf16, runs 1-3 (17 shapes): the old rule up to 1.31x the fastest count (geomean 1.094x), today's 1.02x
     # (1.001x); 3.5 and 4.0 MB a tile would have left one shape at 1.05x.
     got = _run(rule, capsys, (1, 2, 3), "--formats=bf16", "--bytes-per-tile=3e6,3.5e6,4e6")
-    assert got == ["old rule (partials left out, every count): geomean 1.094x, worst 1.31x, 0 untimed",
+    assert got == ["without the partials' term (every count): geomean 1.094x, worst 1.31x, 0 untimed",
                    "rule at 3.0 MB a tile: geomean 1.001x, worst 1.02x, 0 untimed",
                    "rule at 3.5 MB a tile: geomean 1.004x, worst 1.05x, 0 untimed",
                    "rule at 4.0 MB a tile: geomean 1.004x, worst 1.05x, 0 untimed"]
@@ -73,7 +73,7 @@ def test_the_rule_on_sparse_calls(rule, capsys):
     # the fastest count (B=2, B=4 at 64 heads: 32 splits where 16 win), today's up to 1.08x (B=4 H=128: 8 where
     # 16 win).
     got = _run(rule, capsys, (7,), "--formats=sparse-bf16,sparse-ds")
-    assert got == ["old rule (partials left out, every count): geomean 1.107x, worst 1.25x, 0 untimed",
+    assert got == ["without the partials' term (every count): geomean 1.107x, worst 1.25x, 0 untimed",
                    "rule at 3.0 MB a tile: geomean 1.019x, worst 1.08x, 0 untimed"]
 
 
@@ -120,9 +120,19 @@ def test_the_rule_and_the_merge_tiles_on_the_final_build(rule, capsys):
     # 16-32 heads is gone), and the complete --merge-tiles sweep (its nine default shapes) reads merge_tile as
     # merge-tiles-1 did: the fastest tile at six, 1.05x at 64 pairs x 128 splits, 1.10x and 1.12x at 256 pairs.
     got = _run(rule, capsys, (11,))
-    assert got == ["old rule (partials left out, every count): geomean 1.049x, worst 1.15x, 2 untimed",
+    assert got == ["without the partials' term (every count): geomean 1.049x, worst 1.15x, 2 untimed",
                    "rule at 3.0 MB a tile: geomean 1.003x, worst 1.02x, 0 untimed"]
     rule.main(["--merge", os.path.join(LOGS, "merge-tiles-3.md")])
     out = capsys.readouterr().out.splitlines()
     ratios = sorted(float(ln.split("us, ")[1].split("x)")[0]) for ln in out)
     assert len(out) == 9 and ratios[-3:] == [1.05, 1.10, 1.12] and max(ratios[:6]) == 1.0
+
+
+def test_the_tl_dot_kernels_own_rule_against_its_sweep(rule, capsys):
+    # Run 12, the tl.dot kernel (12 rows): its own rule (no partials' term) picks the fastest count timed at every
+    # row; the Gluon kernels' rule (what the SM90 fallback took at 64 heads before) 1.05-1.36x, geomean 1.147x.
+    got = _run(rule, capsys, (12,))
+    assert got == ["without the partials' term (every count): geomean 1.000x, worst 1.00x, 0 untimed",
+                   "rule at 3.0 MB a tile: geomean 1.147x, worst 1.36x, 0 untimed"]
+    rows = [ln for ln in open(os.path.join(LOGS, "run12.md")) if ln.startswith("splits")]
+    assert len(rows) == 72 and sum("default (tl_dot" in ln for ln in rows) == 12

@@ -272,10 +272,13 @@ def test_sparse(kind):
 
 @cpu_only
 @pytest.mark.parametrize("kernel", ["gluon_sm90", "gluon_sm90_narrow"])
-def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(kernel, monkeypatch):
+@pytest.mark.parametrize("seq_lens", [[40, 7], [100, 7]])
+def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(kernel, seq_lens, monkeypatch):
     # A GPU with less shared memory than the H100 the Gluon tilings were written for: the launch raises
     # OutOfResources, and the call ends on the tl.dot kernel (the wide kernel first tries its smaller tiling).
-    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=[40, 7], dtype="fp8", kv="fp8", seed=3)
+    # At 100 keys the tl.dot kernel's own configuration splits the keys where the asked one does not: the call's
+    # partials are made for the configuration that runs.
+    c = make_case(B=2, Q=1, H=16, L=512, R=64, page=16, seq_lens=seq_lens, dtype="fp8", kv="fp8", seed=3)
     config = (DecodeConfig(64, 64, 1, 8, 2, kernel=kernel) if kernel == "gluon_sm90"
               else DecodeConfig(16, 64, 1, 4, 1, kernel=kernel))
     monkeypatch.setattr(tk, "_hopper_kernel_runs_on", lambda device: True)  # as if on an SM90 GPU
@@ -307,12 +310,14 @@ def test_a_gluon_launch_short_of_shared_memory_falls_back_to_the_tl_dot_kernel(k
     launch._use(launch.config)
     out, lse = launch(c["q_nope"], c["q_pe"], c["kv_cache"], c["block_table"], c["seq_lens"], c["kv_scale"])
     assert tried[0] == kernel and tried[-1] == "tl_dot" and launch.config.kernel == "tl_dot"
-    # At 16 heads the fallback is the tl.dot kernel's own configuration for the call (the wide kernel's tiling is
-    # kept only where it is the tl.dot kernel's own: 64 heads per program).
-    own = tk.tl_dot_config(2, 16, 64, c["q_nope"].device)
-    assert (launch.config.block_h, launch.config.block_n) == (own.block_h, own.block_n)
-    ref_o, _ = naive_reference(**c)
+    # At 16 heads the fallback is the tl.dot kernel's own configuration for the call (a config given for 64 heads
+    # per program, the tl.dot kernel's own tiling there, keeps its splits).
+    own = tk.tl_dot_config(2, 16, c["block_table"].shape[1] * 16, c["q_nope"].device)
+    assert repr(launch.config) == repr(own)
+    assert own.num_splits == (1 if seq_lens[0] <= 64 else 2)
+    ref_o, ref_lse = naive_reference(**c)
     assert rel_l2(out.float().cpu(), ref_o) < TOL["fp8"]
+    assert (lse.cpu().double() - ref_lse).abs().max().item() < 2e-3
 
 
 @cpu_only

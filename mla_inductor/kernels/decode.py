@@ -446,7 +446,8 @@ def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots:
     kernel called directly, B=1 H=64 S=64k bf16: 60.1 -> 50.0 us with the new merge and 128 splits against the old
     merge and 64, docs/benchmarks.md section 1, eighth run).
 
-    ``partial_bytes`` (the Gluon kernels, measured on the GPU; None for the tl.dot kernel, not measured): the bytes
+    ``partial_bytes`` (the Gluon kernels, measured on the GPU; None for the tl.dot kernel, whose own picks were the
+    fastest count timed at every shape of an H200 sweep without it, section 1, twelfth run): the bytes
     one more split adds to the call's partials. m then grows by those bytes per split in tiles' worth of time
     (``PARTIAL_BYTES_PER_TILE``), and the counts weighed are powers of two and those that fill whole waves of
     programs: counts between them (13 splits at B=4 H=128 S=4096, 19 at B=6 H=64 S=8192) were slower than both
@@ -530,6 +531,18 @@ def _partial_bytes(T: int, H: int) -> int:
     return _partials_numel(T, H, 1, _hopper().L_DIM) * 4
 
 
+def tl_dot_tiling(H: int) -> tuple[int, int, int, int, int]:
+    """The ``tl.dot`` kernel's tiling on a GPU for H heads: (heads per program, warps, keys per tile, pipeline
+    stages, programs per SM)."""
+    if H > 32:
+        # 64 heads per program on wgmma; BLOCK_N=64 halves the per-tile fixed costs against 32
+        # (H100, B=64 H=128 S=4096 bf16: 323 us vs 426 us), at ~220 KB of shared memory: one program per SM.
+        return 64, 8, 64, 2, 1
+    if H > 16:
+        return 32, 4, 32, 3, 2
+    return 16, 4, 32, 3, 2
+
+
 def tl_dot_config(T: int, H: int, kv_len: int, device: torch.device) -> DecodeConfig:
     """The ``tl.dot`` kernel's launch configuration for a call (what every GPU but SM90 runs, and what an SM90
     call the Gluon kernels do not cover falls back to)."""
@@ -537,14 +550,7 @@ def tl_dot_config(T: int, H: int, kv_len: int, device: torch.device) -> DecodeCo
         # Interpreter: any legal shape computes the same thing; small tiles keep it quick.
         block_h = 16 if H <= 16 else 32
         return DecodeConfig(block_h, 16, 1 if kv_len <= 64 else 2, 4, 1)
-    if H > 32:
-        # 64 heads per program on wgmma; BLOCK_N=64 halves the per-tile fixed costs against 32
-        # (H100, B=64 H=128 S=4096 bf16: 323 us vs 426 us), at ~220 KB of shared memory: one program per SM.
-        block_h, num_warps, block_n, stages, per_sm = 64, 8, 64, 2, 1
-    elif H > 16:
-        block_h, num_warps, block_n, stages, per_sm = 32, 4, 32, 3, 2
-    else:
-        block_h, num_warps, block_n, stages, per_sm = 16, 4, 32, 3, 2
+    block_h, num_warps, block_n, stages, per_sm = tl_dot_tiling(H)
     hb = -(-H // block_h)
     ns = choose_splits(T, hb, kv_len, block_n, _sm_count(device) * per_sm)
     return DecodeConfig(block_h, block_n, ns, num_warps, stages)
@@ -570,7 +576,7 @@ def _hopper_kernel_covers(kernel: str, q_dtype: torch.dtype, kv_dtype: torch.dty
     """Whether a call is one the Gluon kernel ``kernel`` is written for (its device already chosen by
     choose_config); dense and sparse calls alike. The 16-head variant takes fp8 caches only.
     Its cache rows are copied 16 bytes at a time, which needs a row stride of a multiple of 16 elements (what
-    Triton specializes on) and a 16-byte aligned cache (checked per launch: ``DecodeLaunch._launch_main``)."""
+    Triton specializes on) and a 16-byte aligned cache (checked per call: ``DecodeLaunch.__call__``)."""
     if (L, R) != (_hopper().L_DIM, _hopper().R_DIM) or q_dtype not in (torch.bfloat16, torch.float16):
         return False
     if kv_row_stride % 16:
@@ -846,10 +852,12 @@ class DecodeLaunch:
             raise ValueError(f"config: kernel={cfg.kernel!r} runs on SM90 GPUs with a Triton that has Gluon's Hopper "
                              f"ops; this call is on {self.device}: use kernel='tl_dot'")
         # Where a Gluon kernel cannot take the call (or a launch of it fails for lack of shared memory): the tl.dot
-        # kernel, at the Gluon kernel's tiling where that is the tl.dot kernel's own (64 heads per program), else
-        # at its own configuration (at 32 heads its own tiling is 1.3x faster than the 64-head one).
+        # kernel at its own configuration (at 32 heads its own tiling is 1.3x faster than the 64-head one; at 64
+        # heads the tilings agree but the split counts do not: the Gluon kernels' rule weighs the partials, which
+        # picked 1.05-1.36x the fastest count's time for the tl.dot kernel where its own rule picked the fastest,
+        # docs/benchmarks.md section 1, twelfth run). A caller's 64-head config keeps its splits.
         own = tl_dot_config(T, H, kv_len_hint, self.device)
-        self.fallback = cfg.with_kernel("tl_dot") if cfg.block_h == own.block_h == 64 else own
+        self.fallback = cfg.with_kernel("tl_dot") if config is not None and cfg.block_h == own.block_h == 64 else own
         if cfg.kernel != "tl_dot" and not _hopper_kernel_covers(cfg.kernel, q_nope.dtype, kv_cache.dtype, kv_mode, L,
                                                                 R, kv_cache.stride(1)):
             cfg = self.fallback
@@ -935,43 +943,46 @@ class DecodeLaunch:
             kv_scale = torch.ones(1, dtype=torch.float32, device=self.device)
         elif self.kv_scale_view:
             kv_scale = kv_scale.reshape(1).float()
-        if self.merge is not None:
-            if keep_workspace:
-                pout, plse = _split_partials(self)
+        if self.config.kernel != "tl_dot" and kv.data_ptr() % 16:
+            # A cache view off 16-byte alignment: the Gluon kernel's copies cannot take it (rare; this launch
+            # keeps the tl.dot kernel from now on). Before the partials are made: its split count may differ.
+            self._use(self.fallback)
+        while True:
+            if self.merge is not None:
+                if keep_workspace:
+                    pout, plse = _split_partials(self)
+                else:
+                    T, H, L = self.out_shape
+                    pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
             else:
-                T, H, L = self.out_shape
-                pout, plse = _alloc_partials(T, H, self.splits, L, self.device)
-        else:
-            pout, plse = out, lse  # unused
-        self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse)
+                pout, plse = out, lse  # unused
+            if self._launch_main(q_nope, q_pe, kv, bt, sl, sp, kv_scale, out, lse, pout, plse):
+                break
         if self.merge is not None:
             self.merge(pout, plse, out, lse)
         return out, lse
 
-    def _launch_main(self, *tensors) -> None:
+    def _launch_main(self, *tensors) -> bool:
+        """Launch the main kernel; False where it did not fit and another configuration, perhaps of another split
+        count (so other partials), is now prepared instead: the caller makes its partials again and retries."""
         global _LAST_COMPILED
-        if self.config.kernel != "tl_dot" and tensors[2].data_ptr() % 16:
-            # A cache view off 16-byte alignment: the Gluon kernel's copies cannot take it (rare; this launch
-            # keeps the tl.dot kernel from now on).
-            self._use(self.fallback)
-        while True:
-            try:
-                _LAST_COMPILED = self.main(*tensors)
-                return
-            except Exception as e:  # noqa: BLE001
-                # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
-                # defaults were tuned on): halve BLOCK_N and retry (the Gluon kernel: its smaller tiling, then
-                # the tl.dot kernel); the result does not depend on it.
-                cfg = self.config
-                if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
-                    raise
-                if cfg.kernel == "gluon_sm90":
-                    smaller = [t for t in _hopper().TILINGS if t[0] < cfg.block_n]
-                    self._use(DecodeConfig(cfg.block_h, smaller[0][0], cfg.num_splits, cfg.num_warps,
-                                           smaller[0][1], kernel="gluon_sm90") if smaller else self.fallback)
-                    continue
-                if cfg.kernel != "tl_dot":
-                    self._use(self.fallback)
-                    continue
+        try:
+            _LAST_COMPILED = self.main(*tensors)
+            return True
+        except Exception as e:  # noqa: BLE001
+            # A tile that does not fit this GPU's shared memory (e.g. a smaller part than the H100 the
+            # defaults were tuned on): halve BLOCK_N and retry (the Gluon kernel: its smaller tiling, then
+            # the tl.dot kernel); the result does not depend on it.
+            cfg = self.config
+            if type(e).__name__ != "OutOfResources" or cfg.block_n <= 16:
+                raise
+            if cfg.kernel == "gluon_sm90":
+                smaller = [t for t in _hopper().TILINGS if t[0] < cfg.block_n]
+                self._use(DecodeConfig(cfg.block_h, smaller[0][0], cfg.num_splits, cfg.num_warps,
+                                       smaller[0][1], kernel="gluon_sm90") if smaller else self.fallback)
+            elif cfg.kernel != "tl_dot":
+                self._use(self.fallback)
+            else:
                 self._use(DecodeConfig(cfg.block_h, cfg.block_n // 2, cfg.num_splits, cfg.num_warps, cfg.num_stages,
                                        cfg.fp8_qk, cfg.fp16_mma))
+            return False
