@@ -137,13 +137,14 @@ TABLE: tuple[Row, ...] = (
         "whole call (H=128: 37.2 vs 30.8 us eager, 31.2 vs 21.9 compiled)",
         max_batch=1, graph=CAPTURED_STEP),
     Row("sm90", BF16, False, SM90_TRITON_FIRST,
-        "Up to 8 sequences of at most 16 heads in a whole step captured in CUDA graphs: our Triton kernel against "
-        "FlashMLA (the general row), 61 calls back to back on an H200, B=8 H=16: 19.6 vs 22.4 us per call with "
-        "every sequence at S=4096, 18.4 vs 19.8 with lengths drawn in [S/8, S] (FA3 23.3 / 20.2; "
-        "docs/benchmarks.md section 4, twentieth run); B=2 and B=4 at 16 heads were not timed (one sequence: the "
-        "row above). At 32 heads and more FlashMLA stays: on varied lengths it led at B=4 and B=8 H=128 (21.7 "
-        "and 27.0 us against Triton's 24.7 and 31.5) and tied at B=8 H=32",
-        max_batch=8, max_heads=16, graph=CAPTURED_STEP),
+        "Up to 8 sequences of at most 64 heads (one program's head block) in a whole step captured in CUDA graphs: "
+        "our Triton kernel against FlashMLA (the general row), 61 calls back to back on an H200, us per call with "
+        "every sequence at S=4096 / with lengths drawn in [S/8, S]: B=8 H=16 19.6 vs 22.4 / 18.4 vs 19.8 (FA3 "
+        "23.3 / 20.2); B=2 H=16 11.4 vs 18.7 / 11.8 vs 19.3; B=4 H=16 14.3 vs 19.9 / 14.0 vs 17.0; B=4 H=32 16.8 vs "
+        "20.4 / 15.9 vs 17.9; B=8 H=32 22.2 vs 23.5 / 20.7 vs 20.8; B=4 H=64 21.4 vs 22.0 / 18.5 vs 19.7; B=8 H=64 "
+        "26.0 vs 26.4 / 23.2 vs 24.3 (docs/benchmarks.md section 4, twentieth and twenty-first runs). At 128 heads "
+        "FlashMLA stays: on varied lengths it led at B=4 and B=8 (21.7 and 27.0 us against Triton's 24.7 and 31.5)",
+        max_batch=8, max_heads=64, graph=CAPTURED_STEP),
     Row("sm90", BF16, False, SM90_TRITON_FIRST,
         "H100, one sequence, a graph of one call (a layer compiled alone, an MTP draft layer): our Triton kernel's "
         "two launches (split-KV decode 12.8 us + merge 6.3 us of device time at H=128) against FlashMLA's "

@@ -55,10 +55,14 @@ def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
     (16, 1, CallContext(61, captured=False), "flashinfer_fa3"),  # compiled without graphs: Triton's launches cost
     (16, 1, None, "flashinfer_fa3"),                            # eager
     (128, 1, CallContext(61, captured=True), "triton"),          # any H (twentieth run: 15.7 vs FA3's 20.1 us)
-    (16, 2, CallContext(61, captured=True), "triton"),           # up to 8 sequences of <= 16 heads (twentieth run)
-    (16, 8, CallContext(61, captured=True), "triton"),
+    (16, 2, CallContext(61, captured=True), "triton"),           # up to 8 sequences of <= 64 heads (twentieth and
+    (16, 8, CallContext(61, captured=True), "triton"),           # twenty-first runs)
+    (32, 4, CallContext(61, captured=True), "triton"),
+    (64, 8, CallContext(61, captured=True), "triton"),
     (16, 9, CallContext(61, captured=True), "flashmla"),
-    (32, 8, CallContext(61, captured=True), "flashmla"),
+    (64, 9, CallContext(61, captured=True), "flashmla"),
+    (65, 8, CallContext(61, captured=True), "flashmla"),
+    (128, 2, CallContext(61, captured=True), "flashmla"),
     (128, 4, CallContext(61, captured=True), "flashmla"),        # FlashMLA ahead on varied lengths
     # One-call graphs (a layer compiled alone, an MTP draft layer) at B=1: Triton's two kernels, any H.
     (16, 1, CallContext(1, captured=True), "triton"),
@@ -94,7 +98,7 @@ def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
 ])
 def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
     """The rows limited to a kind of program (captured whole steps at B=1: docs/benchmarks.md section 4, sixth
-    run at H <= 16, twentieth at any H, and at B <= 8 H <= 16: twentieth run; one-call graphs at B=1 any H: eighth
+    run at H <= 16, twentieth at any H, and at B <= 8 H <= 64: twentieth and twenty-first runs; one-call graphs at B=1 any H: eighth
     run; at B <= 32 H <= 16: tenth run; eager calls and steps without CUDA graphs at B <= 16, and B <= 32 H <= 16:
     eleventh run) apply to exactly those calls."""
     problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
@@ -260,6 +264,23 @@ def test_the_captured_step_rows_follow_the_committed_measurements():
     varied = _part_a("part-a-4.md")
     assert (_graphs_us(after, "B=8 H=16 bf16, triton preferred"), _graphs_us(after, "B=8 H=16 bf16")) == (19.56, 22.41)
     assert _graphs_us(varied, "B=8 H=16 bf16 varlen, triton preferred") < _graphs_us(varied, "B=8 H=16 bf16 varlen")
+    # Twenty-first run, on the row of at most 16 heads: B=2 and B=4 at 16 heads (Triton the default) against FlashMLA
+    # preferred; B=4 and B=8 at 32 and 64 heads (FlashMLA the default) against Triton preferred. Triton ahead in all
+    # of them, equal lengths and varied.
+    quoted = {("part-a-6.md", "B=2 H=16 bf16 varlen"): (11.77, 19.31), ("part-a-6.md", "B=4 H=16 bf16 varlen"): (13.97, 17.01),
+              ("part-a-7.md", "B=4 H=16 bf16"): (14.32, 19.93)}
+    for (log, case), figures in quoted.items():
+        rows = _part_a(log)
+        assert rows[case]["cudagraphs_backend"] == "triton"
+        assert (_graphs_us(rows, case), _graphs_us(rows, f"{case}, flashmla preferred")) == figures, case
+    quoted = {"B=4 H=32 bf16": (16.80, 20.44), "B=8 H=32 bf16": (22.21, 23.52), "B=4 H=64 bf16": (21.43, 22.04),
+              "B=8 H=64 bf16": (25.98, 26.42), "B=4 H=32 bf16 varlen": (15.94, 17.85),
+              "B=8 H=32 bf16 varlen": (20.65, 20.80), "B=4 H=64 bf16 varlen": (18.49, 19.70),
+              "B=8 H=64 bf16 varlen": (23.23, 24.32)}
+    for case, figures in quoted.items():
+        rows = _part_a("part-a-9.md" if case.endswith("varlen") else "part-a-8.md")
+        assert rows[case]["cudagraphs_backend"] == "flashmla"
+        assert (_graphs_us(rows, f"{case}, triton preferred"), _graphs_us(rows, case)) == figures, case
     # 128 heads: FA3 ahead on equal lengths only; on varied ones FlashMLA (the general row) ahead of both.
     for B in (4, 8):
         assert _graphs_us(after, f"B={B} H=128 bf16, flashinfer_fa3 preferred") < _graphs_us(after, f"B={B} H=128 bf16")
