@@ -11,6 +11,12 @@ listed slots of each row (fmt bf16 or ds; ``peers.sparse_case``); every version 
 default path would (``DecodeLaunch``: same configuration and splits), only the Gluon kernel module differs. Timings
 interleave the versions ``--rounds`` times (best median of ``do_bench``), so a slow stretch of the GPU hits
 all of them; each version's relative error against the fp32 reference is printed beside it.
+
+``--launches N`` times nothing: case by case, each version's call is launched once as it is prepared (every
+version in the order given, ``current`` first), then N times in turn, and its error printed, for a profiler that
+picks launches by count, e.g.
+``ncu --kernel-name regex:mla_decode_hopper --launch-skip 3 --launch-count 1 python
+benchmarks/bench_kernel_variants.py --launches 5 --cases 128x32x4096:fp8``.
 """
 from __future__ import annotations
 
@@ -74,6 +80,15 @@ def prepared_call(case: dict, fmt: str, kernels):
     return run, ref
 
 
+def launch_only(calls: dict, launches: int, fmt: str, dims: tuple) -> None:
+    """Each version's call ``launches`` times in turn, then its error (``--launches``: no timing)."""
+    for name, (run, ref) in calls.items():
+        for _ in range(launches):
+            out = run()
+        torch.cuda.synchronize()
+        print(f"{dims} {fmt} {name}: {launches} launches, err {report.relative_error(out, ref):.1e}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
@@ -81,8 +96,12 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default="128x128x4096:fp8,128x128x4096:bf16,128x16x4096:fp8",
                         help="BxHxS:fmt,... with fmt bf16, fp8 or ds; BxHxSxK:fmt for sparse top-K (bf16 or ds)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--launches", type=int, default=0, metavar="N",
+                        help="time nothing: launch each version's call N times (for a profiler)")
     report.add_out_argument(parser)
     args = parser.parse_args(argv)
+    if args.launches < 0:
+        raise SystemExit(f"--launches: expected a count >= 0 (0: time the versions), got {args.launches}")
     cases = [parse_case(item) for item in args.cases.split(",")]
     report.require_gpu("bench_kernel_variants.py")
     from mla_inductor.kernels import decode_hopper
@@ -99,6 +118,9 @@ def main(argv=None) -> None:
     for dims, fmt in cases:
         case = make_case(dims)
         calls = {name: prepared_call(case, fmt, module) for name, module in versions.items()}
+        if args.launches:
+            launch_only(calls, args.launches, fmt, dims)
+            continue
         errors = {name: report.relative_error(run(), ref) for name, (run, ref) in calls.items()}
         best = {name: float("inf") for name in versions}
         for _ in range(args.rounds):
@@ -111,6 +133,8 @@ def main(argv=None) -> None:
             flush=True)
         records += [dict(case=label, version=name, us=us, vs_current=us / base, rel_err=errors[name])
                     for name, us in best.items()]
+    if args.launches:
+        return
     columns = ["case", "version", "us", "vs_current", "rel_err"]
     report.write_results(args.out, "bench_kernel_variants",
                          f"Gluon kernel versions, {report.environment_line(env)}\n\n"

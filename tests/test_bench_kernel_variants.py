@@ -23,3 +23,8 @@ def test_cases_dense_and_sparse(variants, item, expected):
 def test_bad_cases_name_the_case_and_what_is_expected(variants, item, says):
     with pytest.raises(SystemExit, match=says):
         variants.parse_case(item)
+
+
+def test_a_negative_launch_count_is_refused_before_any_gpu_work(variants):
+    with pytest.raises(SystemExit, match="--launches: expected a count >= 0"):
+        variants.main(["--launches=-1"])
