@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 pytest.importorskip("triton")
 
@@ -23,32 +24,7 @@ H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
 
 def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False,
                       kernel: str = "gluon_sm90"):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn, num_warps = dh.KERNELS[kernel]
-    block_h = dh.NARROW_BLOCK_H if kernel == "gluon_sm90_narrow" else dh.HEADS_PER_PROGRAM
-    names = fn.arg_names
-    kv = {0: "*" + qdt, 1: "*fp8e4nv", 2: "*fp8e4nv"}[kv_mode]  # fp8_ds_mla rows are read through an e4m3 pointer
-    sig = {"QN": "*" + qdt, "QP": "*" + qdt, "KV": kv, "BT": "*i32", "SEQ": "*i32", "SPARSE": "*i32",
-           "KV_SCALE": "*fp32", "OUT": "*" + qdt, "LSE": "*fp32", "POUT": "*fp32", "PLSE": "*fp32",
-           "qk_scale": "fp32"}
-    for n in names[len(sig):names.index("L")]:
-        sig[n] = "i32"
-    const = dict(L=512, R=64, PAGE_SIZE=64, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, KV_MODE=kv_mode,
-                 IS_SPARSE=sparse, DOT_PREC="tf32", EMULATE=False, TRANS_LOAD=False, SWAP_QK=False, FP16_MMA=False,
-                 STAGES=stages)
-    for k in const:
-        sig[k] = "constexpr"
-    # What Triton's JIT specializes a real launch on: 16-byte aligned pointers, strides divisible by 16.
-    div = [["tt.divisibility", 16]]
-    attrs = {(i,): div for i in range(11)}
-    for n in ("stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_kv_row", "stride_bt_b",
-              "stride_sp_t", "num_slots"):
-        attrs[(names.index(n),)] = div
-    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps))
+    return load_benchmark("kernel_sass").compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse, kernel, dh)
 
 
 CASES = [("gluon_sm90", kv_mode, qdt, tiling, splits, False)
