@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import Optional
 
 from mla_inductor.kernels import decode_hopper
 
@@ -27,10 +28,11 @@ KV_MODES = {"bf16": 0, "fp8": 1, "ds": 2}
 
 
 def compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False,
-                     kernel: str = "gluon_sm90", module=decode_hopper, block_h: int = 0):
+                     kernel: str = "gluon_sm90", module=decode_hopper, block_h: int = 0, ints: Optional[dict] = None):
     """Gluon kernel ``kernel`` of ``module`` compiled for SM90 (Triton's ``CompiledKernel``), specialized as a real
     launch is: 16-byte aligned pointers, strides divisible by 16. ``block_h``: heads per program (0: the kernel's
-    own)."""
+    own). ``ints``: values of some int arguments (e.g. ``{"TOPK": 1}``); one equal to 1 is compiled in as a
+    constant unless the kernel declares it ``do_not_specialize``, as Triton's JIT does at a launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -47,6 +49,9 @@ def compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: 
     const = dict(L=512, R=64, PAGE_SIZE=64, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, KV_MODE=kv_mode,
                  IS_SPARSE=sparse, DOT_PREC="tf32", EMULATE=False, TRANS_LOAD=False, SWAP_QK=False, FP16_MMA=False,
                  STAGES=stages)
+    for name, value in (ints or {}).items():
+        if value == 1 and not fn.params[names.index(name)].do_not_specialize:
+            const[name] = 1
     for k in const:
         sig[k] = "constexpr"
     div = [["tt.divisibility", 16]]

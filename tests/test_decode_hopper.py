@@ -23,8 +23,9 @@ H100_SHARED_BYTES = 232448  # the most shared memory one program may use on SM90
 
 
 def _compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: str, sparse: bool = False,
-                      kernel: str = "gluon_sm90"):
-    return load_benchmark("kernel_sass").compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse, kernel, dh)
+                      kernel: str = "gluon_sm90", ints=None):
+    return load_benchmark("kernel_sass").compile_for_sm90(kv_mode, block_n, stages, splits, qdt, sparse, kernel, dh,
+                                                          ints=ints)
 
 
 CASES = [("gluon_sm90", kv_mode, qdt, tiling, splits, False)
@@ -95,6 +96,33 @@ def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits
         # to the consumers (setmaxnreg).
         assert got["setmaxnreg"] > 0 and got["mbarrier_wait"] > 0, \
             "fp8 tiles must be widened by a warp-specialized producer"
+
+
+# Sparse calls listing one slot a row, one split: Triton's JIT compiles an int argument equal to 1 in as a constant,
+# and with TOPK = 1 every bound of the key loop is then constant, which Triton 3.6 failed to compile (an assertion
+# in its LLVM lowering, "PassManager::run failed": found by the GPU fuzz test).
+TOPK_ONE = [("gluon_sm90", kv_mode) for kv_mode in (0, 1, 2)] + [("gluon_sm90_narrow", kv_mode) for kv_mode in (1, 2)]
+
+
+def _compile_topk_one() -> dict:
+    """{kernel-kv_mode: None, or the compile's error} for a sparse call of TOPK = 1 as Triton's JIT compiles it."""
+    report = {}
+    for kernel, kv_mode in TOPK_ONE:
+        block_n, stages = (dh.NARROW_BLOCK_N, 1) if kernel == "gluon_sm90_narrow" else dh.TILINGS[0]
+        try:
+            _compile_for_sm90(kv_mode, block_n, stages, 1, "bf16", True, kernel, ints={"TOPK": 1})
+            report[f"{kernel}-{kv_mode}"] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
+            report[f"{kernel}-{kv_mode}"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+    return report
+
+
+@needs_gluon
+def test_sparse_calls_of_one_slot_a_row_compile_for_sm90():
+    # Whatever this Triton's compiler does with a constant TOPK, the kernels take it as a run-time value.
+    for kernel, _ in dh.KERNELS.values():
+        assert kernel.params[kernel.arg_names.index("TOPK")].do_not_specialize
+    assert _in_a_compiling_process("t._compile_topk_one()") == {f"{k}-{m}": None for k, m in TOPK_ONE}
 
 
 def test_gluon_kernels_need_warp_specialize_taking_a_list():

@@ -455,7 +455,10 @@ if HAVE_GLUON:
             ph_s = (row.to(gl.int64) * H + offs_h_s) * NUM_SPLITS + split
             gl.store(PLSE + ph_s, lse2, mask=hmask_s)
 
-    @gluon.jit
+    # TOPK (a sparse call's slots per row) is never compiled in as a constant: Triton specializes an int argument
+    # equal to 1, and with TOPK = 1 and one split every bound of the key loop is a constant, which Triton 3.6
+    # fails to compile ("PassManager::run failed"; both kernels, every cache format).
+    @gluon.jit(do_not_specialize=["TOPK"])
     def mla_decode_hopper(
         QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
         OUT, LSE, POUT, PLSE,
@@ -611,7 +614,7 @@ if HAVE_GLUON:
                           gl.maximum(rows.index(2).load(like.type.layout), rows.index(3).load(like.type.layout)))
 
     # The same arguments as mla_decode_hopper (DecodeLaunch launches either with one argument list).
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["TOPK"])
     def mla_decode_hopper_narrow(
         QN, QP, KV, BT, SEQ, SPARSE, KV_SCALE,
         OUT, LSE, POUT, PLSE,
