@@ -63,6 +63,11 @@ def compile_for_sm90(kv_mode: int, block_n: int, stages: int, splits: int, qdt: 
                           options=dict(num_warps=num_warps))
 
 
+def default_tiling(kernel: str, module=decode_hopper) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) a call on ``kernel`` gets by default: the wide kernel's first tiling, else 64-key tiles."""
+    return module.TILINGS[0] if kernel == "gluon_sm90" else (module.NARROW_BLOCK_N, 1)
+
+
 def sass_of(cubin: bytes) -> str:
     """``cuobjdump -sass`` of a cubin, with the cuobjdump Triton ships."""
     import triton.backends.nvidia as nvidia
@@ -122,7 +127,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--kernel: expected one of {sorted(module.KERNELS)}, got {args.kernel!r}")
     import triton
 
-    block_n, stages = (module.NARROW_BLOCK_N, 1) if args.kernel != "gluon_sm90" else module.TILINGS[0]
+    block_n, stages = default_tiling(args.kernel, module)
     compiled = compile_for_sm90(KV_MODES[args.kv], block_n, stages, args.splits, "bf16", kernel=args.kernel,
                                 module=module, block_h=args.block_h)
     ins = instructions(sass_of(compiled.asm["cubin"]))

@@ -108,7 +108,7 @@ def _compile_topk_one() -> dict:
     """{kernel-kv_mode: None, or the compile's error} for a sparse call of TOPK = 1 as Triton's JIT compiles it."""
     report = {}
     for kernel, kv_mode in TOPK_ONE:
-        block_n, stages = (dh.NARROW_BLOCK_N, 1) if kernel == "gluon_sm90_narrow" else dh.TILINGS[0]
+        block_n, stages = load_benchmark("kernel_sass").default_tiling(kernel, dh)
         try:
             _compile_for_sm90(kv_mode, block_n, stages, 1, "bf16", True, kernel, ints={"TOPK": 1})
             report[f"{kernel}-{kv_mode}"] = None
