@@ -122,6 +122,8 @@ FP32 = ("fp32",)
 # The SM90 bf16/fp16 dense orders the rows below share.
 SM90_TRITON_FIRST = ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference")
 SM90_FA3_FIRST = ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference")
+# The SM90 fp8_e4m3 dense order where our kernel (q in bf16) beats FlashMLA-fp8 (q in e4m3) for calls allowing both.
+SM90_FP8_TRITON_FIRST = ("triton", "flashmla", "flashinfer_fa3", "reference")
 
 # First matching row wins; each backend's supports() then filters (page size, heads, Q, ...), and the
 # reference closes every row so a call always runs. The measurements behind each row: docs/benchmarks.md.
@@ -183,6 +185,27 @@ TABLE: tuple[Row, ...] = (
         "variable lengths (H=16: 139 vs FA3's 163 us at B=128, 74.6 vs 86.7 at B=64; section 4, eleventh run) and "
         "is within 5% of FlashInfer FA3 on uniform ones (B=128 H=16: 214.4 vs 211.5 us); it schedules on the "
         "device, where FA3 plans on the host every step. FA3 takes page sizes other than 64"),
+    # Calls that allowed an e4m3 query: where our Triton kernel (q kept in bf16, so also the more accurate) is
+    # faster than FlashMLA-fp8 with its query quantized in the call, it goes first.
+    Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
+        "H100, one sequence, a call that allowed an e4m3 query: our Triton kernel (q in bf16) ahead of FlashMLA-fp8 "
+        "in every program shape, us per call (61 calls back to back) eager / compiled / CUDA graphs: H=128 "
+        "36.1 / 28.6 / 18.6 against 163.8 / 126.4 / 23.0, H=16 33.9 / 32.3 / 9.9 against 149.1 / 138.5 / 20.4; "
+        "one-call graphs at H=128 23.7 / 22.5 against 226.7 / 40.6 (docs/benchmarks.md section 4, twenty-third "
+        "run)",
+        max_batch=1),
+    Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
+        "H100, up to 32 sequences, eager or compiled without CUDA graphs, a call that allowed an e4m3 query: "
+        "FlashMLA-fp8's call is host-bound there (149-164 us per call at B=1 against 20-23 with CUDA graphs); "
+        "our Triton kernel B=32 H=128 100.0 / 99.8 us eager / compiled against 150.5 / 125.7, H=16 "
+        "53.4 / 53.2 against 145.1 / 129.0 (twenty-third run). With CUDA graphs FlashMLA-fp8 stays (83.1 against "
+        "96.7 at H=128, 48.1 against 50.3 at H=16)",
+        max_batch=32, graph=UNCAPTURED),
+    Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
+        "H100, up to 32 sequences, a graph of one call, a call that allowed an e4m3 query: our Triton kernel "
+        "102.8 / 101.8 us without / with CUDA graphs at B=32 H=128 against FlashMLA-fp8's 224.8 / 104.5 "
+        "(twenty-third run)",
+        max_batch=32, graph=ONE_CALL_GRAPH),
     Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
         "H100, compiled per call: FlashMLA-fp8 fastest, but it computes with q in e4m3 (one scale per tensor), "
         "so it takes only calls that opted in (a static q_scale, or allow_fp8_query; errors in docs/backends.md); "
@@ -295,8 +318,10 @@ def _fp8_query_in(stacks: dict) -> bool:
 def allow_fp8_query(allowed: bool = True) -> Iterator[None]:
     """Let calls made (eager) or compiled inside the block run on backends that quantize the query to e4m3
     with one scale per tensor, measured each call (``amax(|q|) / 448``) unless the call has a static
-    ``q_scale``. Faster on SM90 with an fp8 cache (FlashMLA's dense FP8 kernel), at the cost of the error
-    docs/backends.md reports per backend; ``allow_fp8_query(False)`` turns it off inside the block."""
+    ``q_scale``. Faster on SM90 with an fp8 cache (FlashMLA's dense FP8 kernel) in whole steps captured in CUDA
+    graphs and at large batches, at the cost of the error docs/backends.md reports per backend; where our kernel
+    keeping q in bf16 is faster (one sequence; up to 32 eager, without CUDA graphs or in a graph of one call) the
+    call stays on it. ``allow_fp8_query(False)`` turns it off inside the block."""
     with _pushed("fp8_query", bool(allowed)):
         yield
 

@@ -36,14 +36,16 @@ def two_layers(q_nope, q_pe, cache_a, cache_b, block_table, seq_lens, kv_scale, 
     return b, lse
 
 
-def _fake_inputs(fmt: str, sparse: bool):
+def _fake_inputs(fmt: str, sparse: bool, rows: int = T):
     dtype, width = FORMATS[fmt]
     cuda = dict(device="cuda")
-    return (torch.empty(T, H, 512, dtype=torch.bfloat16, **cuda), torch.empty(T, H, 64, dtype=torch.bfloat16, **cuda),
-            torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda), torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda),
-            torch.zeros(T, PAGES, dtype=torch.int32, **cuda), torch.ones(T, dtype=torch.int32, **cuda),
+    q = dict(dtype=torch.bfloat16, **cuda)
+    return (torch.empty(rows, H, 512, **q), torch.empty(rows, H, 64, **q),
+            torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda),
+            torch.empty(4 * PAGES, 64, width, dtype=dtype, **cuda),
+            torch.zeros(rows, PAGES, dtype=torch.int32, **cuda), torch.ones(rows, dtype=torch.int32, **cuda),
             torch.ones(1, dtype=torch.float32, **cuda),
-            torch.zeros(T, TOPK, dtype=torch.int32, **cuda) if sparse else None)
+            torch.zeros(rows, TOPK, dtype=torch.int32, **cuda) if sparse else None)
 
 
 # The context of two_layers' calls as the pass sees them here: two calls sharing a plan, no CUDA graphs.
@@ -190,14 +192,19 @@ def fp8_query_layers(q_nope, q_pe, cache_a, cache_b, block_table, seq_lens, kv_s
     return b, lse
 
 
-def _lowered_fp8_query_layers(static_scale: bool, allow: bool) -> str:
+# Sequences in the FP8-query graphs below: more than 32, where calls that allowed an e4m3 query go to FlashMLA-fp8
+# in every kind of program (at most 32 eager or without CUDA graphs, our Triton kernel is the faster one).
+FP8_QUERY_ROWS = 64
+
+
+def _lowered_fp8_query_layers(static_scale: bool, allow: bool, rows: int = FP8_QUERY_ROWS) -> str:
     from torch._inductor.virtualized import V
 
     from mla_inductor.lowering import MLALoweringPass
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        inputs = list(_fake_inputs("fp8_e4m3", False)[:7])
+        inputs = list(_fake_inputs("fp8_e4m3", False, rows)[:7])
         inputs.append(torch.ones(1, dtype=torch.float32, device="cuda") if static_scale else None)
         gm = make_fx(fp8_query_layers)(*inputs)
     with V.set_fake_mode(mode), mode, (mla_inductor.allow_fp8_query() if allow else contextlib.nullcontext()):
@@ -242,6 +249,16 @@ def test_fp8_cache_keeps_a_bf16_query_by_default(fake_gpu):
     triton = get_backend("triton")  # one call's lse is read, the other's is not (its out-only op)
     assert code.count(_call(triton.compiled_op_for(UNCAPTURED))) == 1, code
     assert code.count(_call(triton.out_only_op_for(UNCAPTURED))) == 1, code
-    problem = example_problem("cuda", "fp8_e4m3", False, H, 64, batch=T)
+    problem = example_problem("cuda", "fp8_e4m3", False, H, 64, batch=FP8_QUERY_ROWS)
     sel = select_backend(problem, CAPABILITIES["SM90"], available=EVERYTHING, preference=())
     assert sel.backend == "triton" and "opt in with a static q_scale" in sel.reasons[0], sel
+
+
+def test_an_allowed_fp8_query_stays_in_bf16_where_our_kernel_is_faster(fake_gpu):
+    """Up to 32 sequences without CUDA graphs, a call that allowed an e4m3 query runs our Triton kernel on q in
+    bf16 (faster there): nothing is quantized in the graph."""
+    fake_gpu(CAPABILITIES["SM90"])
+    code = _lowered_fp8_query_layers(static_scale=False, allow=True, rows=T)
+    assert "mla_flashmla" not in code and "aten.amax" not in code and QUANTIZE_TO_E4M3 not in code, code
+    triton = get_backend("triton")
+    assert code.count(_call(triton.compiled_op_for(UNCAPTURED))) == 1, code

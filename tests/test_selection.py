@@ -46,8 +46,28 @@ def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
     problem = example_problem("cuda", "bf16", False, 128, 64, batch=batch)
     captured_step = CallContext(61, captured=True)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=captured_step).backend == want
-    fp8 = example_problem("cuda", "fp8_e4m3", False, 128, 64, batch=batch, fp8_query=True)
-    assert select_backend(fp8, SM90, available=EVERYTHING, preference=()).backend == "flashmla"
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("batch,context,want", [
+    (1, None, "triton"),                                  # one sequence: Triton in every kind of program
+    (1, CallContext(61, captured=False), "triton"),
+    (1, CallContext(61, captured=True), "triton"),
+    (1, CallContext(1, captured=True), "triton"),
+    (32, None, "triton"),                                 # up to 32, eager or without CUDA graphs
+    (32, CallContext(61, captured=False), "triton"),
+    (32, CallContext(1, captured=False), "triton"),       # up to 32, a graph of one call
+    (32, CallContext(1, captured=True), "triton"),
+    (32, CallContext(61, captured=True), "flashmla"),     # a whole step in CUDA graphs: FlashMLA-fp8's kernel
+    (33, None, "flashmla"),
+    (128, None, "flashmla"),
+    (None, None, "flashmla"),                             # a symbolic batch (mark_unbacked): the general row
+])
+def test_sm90_fp8_calls_allowing_an_e4m3_query_go_where_they_are_fastest(heads, batch, context, want):
+    """An fp8_e4m3 call that allowed an e4m3 query may run on FlashMLA-fp8, and goes there only where that is
+    faster than our Triton kernel keeping q in bf16 (docs/benchmarks.md section 4, twenty-third run)."""
+    fp8 = example_problem("cuda", "fp8_e4m3", False, heads, 64, batch=batch, fp8_query=True)
+    assert select_backend(fp8, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
 
 @pytest.mark.parametrize("heads,batch,context,want", [
@@ -236,9 +256,10 @@ def test_backend_for_call_follows_a_preference_on_cpu():
 MODES_LOGS = Path(__file__).resolve().parent.parent / "docs" / "data" / "modes-h200-2026-11-28"
 
 
-def _part_a(name: str) -> dict:
-    """{case label: {column: cell}} of a committed ``bench_modes.py --parts a`` output."""
-    lines = [ln for ln in (MODES_LOGS / name).read_text().splitlines() if ln.startswith("| ")]
+def _part_a(name: str, logs: Path = MODES_LOGS, part: str = "a") -> dict:
+    """{case label: {column: cell}} of part ``part``'s table in a committed ``bench_modes.py`` output."""
+    text = (logs / name).read_text().split(f"\n## {part}. ", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[1:]]
     return {row["case"]: row for row in rows}
@@ -293,3 +314,33 @@ def test_the_captured_step_rows_follow_the_committed_measurements():
         assert varied[f"B={B} H=128 bf16 varlen"]["cudagraphs_backend"] == "flashmla"
         assert default < min(_graphs_us(varied, f"B={B} H=128 bf16 varlen, {b} preferred")
                              for b in ("triton", "flashinfer_fa3")), B
+
+
+H100_MODES_LOGS = Path(__file__).resolve().parent.parent / "docs" / "data" / "modes-h100-2026-12-07"
+
+
+def test_the_fp8_query_rows_follow_the_committed_measurements():
+    # docs/benchmarks.md section 4, twenty-third run (H100, before the rows): with an e4m3 query allowed the calls
+    # went to FlashMLA-fp8; the same cases with q in bf16 (our Triton kernel) were faster wherever the rows now
+    # send them, and slower in whole steps captured in CUDA graphs of 32 or more sequences, and at 128.
+    a = _part_a("part-ab-1.md", H100_MODES_LOGS)
+    b = _part_a("part-ab-1.md", H100_MODES_LOGS, part="b")
+    modes = ("eager", "compiled", "cudagraphs")
+    for B, H in ((1, 128), (1, 16), (32, 128), (32, 16), (128, 128), (128, 16)):
+        ours, opted = a[f"B={B} H={H} fp8_e4m3, bf16 q"], a[f"B={B} H={H} fp8_e4m3, e4m3 q (allow_fp8_query)"]
+        assert {opted[f"{m}_backend"] for m in modes} == {"flashmla"} and ours["eager_backend"] == "triton"
+        faster = {m: float(ours[f"{m}_us"]) < float(opted[f"{m}_us"]) for m in modes}
+        if B == 1:
+            assert all(faster.values()), (B, H)
+        elif B == 32:
+            assert faster == {"eager": True, "compiled": True, "cudagraphs": False}, (B, H)
+        elif H == 128:
+            assert not any(faster.values()), (B, H)
+    for B in (1, 32):  # one-call graphs, H=128
+        ours, opted = b[f"B={B} H=128 fp8_e4m3, bf16 q"], b[f"B={B} H=128 fp8_e4m3, e4m3 q (allow_fp8_query)"]
+        assert all(float(ours[f"{m}_us"]) < float(opted[f"{m}_us"]) for m in ("compiled", "cudagraphs")), B
+    quoted = {("B=1 H=128", "bf16 q"): (36.07, 28.62, 18.58), ("B=1 H=128", "e4m3 q (allow_fp8_query)"):
+              (163.75, 126.41, 23.03), ("B=32 H=128", "bf16 q"): (99.98, 99.81, 96.69),
+              ("B=32 H=128", "e4m3 q (allow_fp8_query)"): (150.45, 125.73, 83.10)}
+    for (case, q), figures in quoted.items():
+        assert tuple(float(a[f"{case} fp8_e4m3, {q}"][f"{m}_us"]) for m in modes) == figures, (case, q)
