@@ -17,6 +17,8 @@ row's count of valid slots, which only the device knows (dense calls read the ho
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -132,6 +134,24 @@ def test_a_decode_step_never_waits_for_the_device(backend, case, mode, request):
         request.applymarker(pytest.mark.xfail(
             strict=True, raises=RuntimeError,
             reason="FlashInfer plans sparse calls from each row's count of valid slots, known on the device only"))
+    _check_steps_never_wait(backend, fmt, sparse, heads, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_decode_step_on_an_e4m3_query_never_waits_for_the_device(mode):
+    """FlashMLA-fp8 on calls that allowed an e4m3 query (q quantized in the call eager, in the graph compiled)."""
+    problem = dataclasses.replace(_problem("fp8_e4m3", False, 64), fp8_query=True)
+    why = availability().get("flashmla") or get_backend("flashmla").supports(problem, device_capability(
+        torch.device("cuda")))
+    if why is not None:
+        pytest.skip(f"flashmla cannot run an e4m3 query here: {why}")
+    with mla_inductor.allow_fp8_query():
+        _check_steps_never_wait("flashmla", "fp8_e4m3", False, 64, mode)
+
+
+def _check_steps_never_wait(backend: str, fmt: str, sparse: bool, heads: int, mode: str) -> None:
+    """Compile and warm up the step in ``mode`` on ``backend``, run two steps under the sync check, check the last
+    one against the reference."""
     torch.compiler.reset()
     cache = _cache(fmt)
     sparse_indices = _sparse_indices(cache) if sparse else None
@@ -165,7 +185,7 @@ def test_a_decode_step_never_waits_for_the_device(backend, case, mode, request):
         h = paged_decode_reference(h, q_pe, kv, cache.block_table, cache.seq_lens, SCALE, cache.kv_scale,
                                    sparse_indices)[0]
     err = relative_error(out, h)
-    assert err <= TOL[fmt], f"{backend} {case} {mode}: error {err:.2e} vs the reference"
+    assert err <= TOL[fmt], f"{backend} {fmt} sparse={sparse} {mode}: error {err:.2e} vs the reference"
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp8_e4m3"])
