@@ -196,7 +196,7 @@ TABLE: tuple[Row, ...] = (
         max_batch=1),
     Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
         "H100, up to 32 sequences, eager or compiled without CUDA graphs, a call that allowed an e4m3 query: "
-        "FlashMLA-fp8's call is host-bound there (149-164 us per call at B=1 against 20-23 with CUDA graphs); "
+        "FlashMLA-fp8's call is host-bound there (126-164 us per call at B=1 against 20-23 with CUDA graphs); "
         "our Triton kernel B=32 H=128 100.0 / 99.8 us eager / compiled against 150.5 / 125.7, H=16 "
         "53.4 / 53.2 against 145.1 / 129.0 (twenty-third run). With CUDA graphs FlashMLA-fp8 stays (83.1 against "
         "96.7 at H=128, 48.1 against 50.3 at H=16)",
