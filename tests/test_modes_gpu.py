@@ -54,11 +54,15 @@ def _problem(fmt, sparse, heads) -> DecodeProblem:
 def _skip_unless_runs(backend: str, case: str):
     if backend == "reference" and case not in REFERENCE_CASES:
         pytest.skip("the reference runs the bf16 case only (its compiled code takes long to generate)")
+    _skip_unless_supported(backend, _problem(*CASES[case]), case)
+
+
+def _skip_unless_supported(backend: str, problem: DecodeProblem, what: str) -> None:
     why = availability().get(backend)
     if why is None:
-        why = get_backend(backend).supports(_problem(*CASES[case]), device_capability(torch.device("cuda")))
+        why = get_backend(backend).supports(problem, device_capability(torch.device("cuda")))
     if why is not None:
-        pytest.skip(f"{backend} cannot run {case} here: {why}")
+        pytest.skip(f"{backend} cannot run {what} here: {why}")
 
 
 def _garbage_fill(kv: torch.Tensor, kv_scale: torch.Tensor) -> None:
@@ -140,11 +144,8 @@ def test_a_decode_step_never_waits_for_the_device(backend, case, mode, request):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_decode_step_on_an_e4m3_query_never_waits_for_the_device(mode):
     """FlashMLA-fp8 on calls that allowed an e4m3 query (q quantized in the call eager, in the graph compiled)."""
-    problem = dataclasses.replace(_problem("fp8_e4m3", False, 64), fp8_query=True)
-    why = availability().get("flashmla") or get_backend("flashmla").supports(problem, device_capability(
-        torch.device("cuda")))
-    if why is not None:
-        pytest.skip(f"flashmla cannot run an e4m3 query here: {why}")
+    _skip_unless_supported("flashmla", dataclasses.replace(_problem("fp8_e4m3", False, 64), fp8_query=True),
+                           "an e4m3 query")
     with mla_inductor.allow_fp8_query():
         _check_steps_never_wait("flashmla", "fp8_e4m3", False, 64, mode)
 

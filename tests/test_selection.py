@@ -256,7 +256,7 @@ def test_backend_for_call_follows_a_preference_on_cpu():
 MODES_LOGS = Path(__file__).resolve().parent.parent / "docs" / "data" / "modes-h200-2026-11-28"
 
 
-def _part_a(name: str, logs: Path = MODES_LOGS, part: str = "a") -> dict:
+def _bench_modes_table(name: str, logs: Path = MODES_LOGS, part: str = "a") -> dict:
     """{case label: {column: cell}} of part ``part``'s table in a committed ``bench_modes.py`` output."""
     text = (logs / name).read_text().split(f"\n## {part}. ", 1)[1].split("\n## ", 1)[0]
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
@@ -272,17 +272,17 @@ def _graphs_us(rows: dict, case: str) -> float:
 def test_the_captured_step_rows_follow_the_committed_measurements():
     # docs/benchmarks.md section 4, twentieth run (H200, 61 calls, CUDA graphs): the figures the two captured-step
     # rows quote, and the choices they make, read from the commands' own outputs.
-    one = _part_a("part-a-1.md")
+    one = _bench_modes_table("part-a-1.md")
     for H in (16, 32, 64, 128):
         triton_us = _graphs_us(one, f"B=1 H={H} bf16, triton preferred")
         assert triton_us < _graphs_us(one, f"B=1 H={H} bf16, flashinfer_fa3 preferred") * 0.8, H
     assert _graphs_us(one, "B=1 H=128 bf16, triton preferred") == 15.73
     assert _graphs_us(one, "B=1 H=128 bf16") == 20.06
     assert one["B=1 H=128 bf16"]["cudagraphs_backend"] == "flashinfer_fa3"
-    after = _part_a("part-a-3.md")
+    after = _bench_modes_table("part-a-3.md")
     assert after["B=1 H=128 bf16"]["cudagraphs_backend"] == "triton" and _graphs_us(after, "B=1 H=128 bf16") == 15.71
     # Up to 8 sequences of 16 heads: Triton ahead of FlashMLA (the default then) on equal and on varied lengths.
-    varied = _part_a("part-a-4.md")
+    varied = _bench_modes_table("part-a-4.md")
     assert (_graphs_us(after, "B=8 H=16 bf16, triton preferred"), _graphs_us(after, "B=8 H=16 bf16")) == (19.56, 22.41)
     assert _graphs_us(varied, "B=8 H=16 bf16 varlen, triton preferred") < _graphs_us(varied, "B=8 H=16 bf16 varlen")
     # Twenty-first run, measured while that row stopped at 16 heads: B=2 and B=4 at 16 heads (Triton the default)
@@ -296,7 +296,7 @@ def test_the_captured_step_rows_follow_the_committed_measurements():
     quoted = {("part-a-6.md", "B=2 H=16 bf16 varlen"): (11.77, 19.31),
               ("part-a-6.md", "B=4 H=16 bf16 varlen"): (13.97, 17.01), ("part-a-7.md", "B=4 H=16 bf16"): (14.32, 19.93)}
     for (log, case), figures in quoted.items():
-        rows = _part_a(log)
+        rows = _bench_modes_table(log)
         assert rows[case]["cudagraphs_backend"] == "triton"
         assert (_graphs_us(rows, case), _graphs_us(rows, f"{case}, flashmla preferred")) == figures, case
     quoted = {"B=4 H=32 bf16": (16.80, 20.44), "B=8 H=32 bf16": (22.21, 23.52), "B=4 H=64 bf16": (21.43, 22.04),
@@ -304,7 +304,7 @@ def test_the_captured_step_rows_follow_the_committed_measurements():
               "B=8 H=32 bf16 varlen": (20.65, 20.80), "B=4 H=64 bf16 varlen": (18.49, 19.70),
               "B=8 H=64 bf16 varlen": (23.23, 24.32)}
     for case, figures in quoted.items():
-        rows = _part_a("part-a-9.md" if case.endswith("varlen") else "part-a-8.md")
+        rows = _bench_modes_table("part-a-9.md" if case.endswith("varlen") else "part-a-8.md")
         assert rows[case]["cudagraphs_backend"] == "flashmla"
         assert (_graphs_us(rows, f"{case}, triton preferred"), _graphs_us(rows, case)) == figures, case
     # 128 heads: FA3 ahead on equal lengths only; on varied ones FlashMLA (the general row) ahead of both.
@@ -323,8 +323,8 @@ def test_the_fp8_query_rows_follow_the_committed_measurements():
     # docs/benchmarks.md section 4, twenty-third run (H100, before the rows): with an e4m3 query allowed the calls
     # went to FlashMLA-fp8; the same cases with q in bf16 (our Triton kernel) were faster wherever the rows now
     # send them, and slower in whole steps captured in CUDA graphs of 32 or more sequences, and at 128.
-    a = _part_a("part-ab-1.md", H100_MODES_LOGS)
-    b = _part_a("part-ab-1.md", H100_MODES_LOGS, part="b")
+    a = _bench_modes_table("part-ab-1.md", H100_MODES_LOGS)
+    b = _bench_modes_table("part-ab-1.md", H100_MODES_LOGS, part="b")
     modes = ("eager", "compiled", "cudagraphs")
     for B, H in ((1, 128), (1, 16), (32, 128), (32, 16), (128, 128), (128, 16)):
         ours, opted = a[f"B={B} H={H} fp8_e4m3, bf16 q"], a[f"B={B} H={H} fp8_e4m3, e4m3 q (allow_fp8_query)"]
