@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -75,8 +74,6 @@ def __getattr__(name: str):
         from mla_inductor import _hf_distributed
 
         return getattr(_hf_distributed, name)
-    if name == "build_random_deepseek":
-        return _build_random_deepseek_deprecated
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -305,40 +302,3 @@ def check_attention(model: nn.Module) -> None:
     if config._attn_implementation != ATTN_IMPLEMENTATION:
         raise RuntimeError(f"the model's attention implementation is {config._attn_implementation!r}: call "
                            f"mla_inductor.hf.register() and model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
-
-
-# --------------------------------------------------------------------------------------------------------
-# Deprecated names of the monkey-patching API (kept so that old scripts keep running)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"mla_inductor.hf.{old} is deprecated: {new}", DeprecationWarning, stacklevel=3)
-
-
-def allocate_cache(model: nn.Module, *, batch_size: int, max_seq_len: int, fmt: Optional[str] = None,
-                   page_size: int = 64, kv_scale: float = 1.0, num_pages: Optional[int] = None) -> "PagedMLACache":
-    """Deprecated: ``PagedMLACache(model, batch_size=..., max_seq_len=..., fmt=...)``."""
-    _deprecated("allocate_cache", "use mla_inductor.hf.PagedMLACache(model, batch_size=..., max_seq_len=...)")
-    if num_pages is not None:
-        raise ValueError("allocate_cache(num_pages=...) is gone: a PagedMLACache gives every sequence max_seq_len "
-                         "slots (decode steps then need no host-side page allocation)")
-    return _impl().PagedMLACache(model, batch_size=batch_size, max_seq_len=max_seq_len, fmt=fmt,
-                                 page_size=page_size, kv_scale=kv_scale)
-
-
-def patch_deepseek(model: nn.Module, cache: Optional["PagedMLACache"] = None) -> nn.Module:
-    """Deprecated: ``hf.register(); model.set_attn_implementation("mla_inductor")``. Nothing is patched any
-    more: this only selects the registered attention implementation; pass the cache to ``generate`` /
-    ``prefill`` / ``decode_one_token``."""
-    _deprecated("patch_deepseek", "call mla_inductor.hf.register() and model.set_attn_implementation('mla_inductor'), "
-                "then pass a PagedMLACache as past_key_values")
-    _impl().check_model(model)
-    model.set_attn_implementation(register())
-    return model
-
-
-def _build_random_deepseek_deprecated(version: str = "v3", **kwargs) -> nn.Module:
-    _deprecated("build_random_deepseek", "use mla_inductor.testing.random_deepseek_model")
-    from mla_inductor.testing import random_deepseek_model
-
-    return random_deepseek_model(version, **kwargs)

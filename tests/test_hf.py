@@ -777,20 +777,6 @@ def test_errors_name_what_is_wrong(monkeypatch):
         hf.register()
 
 
-def test_deprecated_names_still_work():
-    with pytest.warns(DeprecationWarning, match="random_deepseek_model"):
-        model = hf.build_random_deepseek("v3", **dict(CONFIGS["v3_yarn"][1], num_hidden_layers=2))
-    model.generation_config.eos_token_id = None
-    ids, mask = left_padded_prompts(seed=11)
-    model.set_attn_implementation("eager")
-    want = hf_generate(model, ids, mask, 8)
-    with pytest.warns(DeprecationWarning, match="PagedMLACache"):
-        cache = hf.allocate_cache(model, batch_size=4, max_seq_len=32)
-    with pytest.warns(DeprecationWarning, match="set_attn_implementation"):
-        assert hf.patch_deepseek(model, cache) is model
-    assert torch.equal(hf.generate(model, ids, mask, max_new_tokens=8, cache=cache), want)
-
-
 def test_transformers_imported_lazily_and_only_by_the_hf_modules():
     code = "import sys, mla_inductor, mla_inductor.lowering, mla_inductor.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

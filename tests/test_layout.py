@@ -188,7 +188,7 @@ def test_editing_a_benchmark_leaves_the_cache_key_alone(tmp_path, monkeypatch):
 
 def test_runtime_never_imports_the_pass_benchmarks_or_test_helpers():
     """The runtime package imports down only: never lowering (but for the one lazy install hook in
-    __init__.py), benchmarks, the test helpers, or hf's random-model factory."""
+    __init__.py), benchmarks or the test helpers."""
     for path in RUNTIME.rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
         for name in imported_modules(path):
@@ -196,11 +196,8 @@ def test_runtime_never_imports_the_pass_benchmarks_or_test_helpers():
                 continue
             if rel == "mla_inductor/testing.py":
                 continue
-            if rel == "mla_inductor/hf.py" and name in ("mla_inductor.testing", "mla_inductor.testing.random_deepseek_model"):
-                continue  # the deprecated hf.build_random_deepseek forwards to its new home when called, nothing else
             assert not name.startswith(("mla_inductor.lowering", "benchmarks", "lowering")), (rel, name)
             assert not name.startswith("mla_inductor.testing"), (rel, name)
-            assert name != "mla_inductor.hf.build_random_deepseek", (rel, name)
     init = (RUNTIME / "__init__.py").read_text()
     assert init.count("mla_inductor.lowering import") == 1, "one lazy install hook, inside a function"
 
@@ -272,7 +269,3 @@ def test_benchmarks_without_a_gpu_say_so_and_help_works(script):
     assert helped.returncode == 0 and "--out" in helped.stdout, helped.stderr[-2000:]
 
 
-def test_the_registry_old_name_still_reads_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="registered_backends"):
-        old = backends.BACKEND_MODULES
-    assert set(old) <= set(backends.registered_backends()) and "reference" in old

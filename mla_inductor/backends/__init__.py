@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
 from typing import Optional, Union
 
 import torch
@@ -253,14 +252,6 @@ def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
         except Exception:  # noqa: BLE001 - absent or broken: either way not usable
             versions[lib] = None
     return versions
-
-
-def __getattr__(name: str):
-    if name == "BACKEND_MODULES":  # the registry's old name: read-only now, for one release
-        warnings.warn("mla_inductor.backends.BACKEND_MODULES is deprecated: use registered_backends() and "
-                      "register_backend()", DeprecationWarning, stacklevel=2)
-        return {n: e for n, e in _REGISTRY.items() if isinstance(e, str)}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def environment_settings() -> dict[str, Optional[str]]:
