@@ -4,9 +4,9 @@
 
 Three checks, on bench_modes' part a inputs (61 calls back to back, each on its own query and cache):
 
-1. ``outputs`` (the answer): µs per call of the peer's direct calls dropping each output at once (``drop``: how
-   ``peers.direct_step`` called them until the tenth run) and keeping the step's outputs until it ends
-   (``keep``: as our op's step returns them, and ``direct_step`` now does), against our op eager keeping them
+1. ``outputs`` (the answer): µs per call of the peer's direct calls dropping each output at once (``drop``: a
+   step that frees each output before the next call) and keeping the step's outputs until it ends
+   (``keep``: as our op's step returns them, and as ``peers.direct_step`` does), against our op eager keeping them
    (``op_eager``, bench_modes' step), eager dropping them (``op_eager_drop``) and compiled with CUDA graphs
    (``op_cg``), three rounds in alternating order. A dropped output's block is handed to the next call while
    still in L2.
@@ -16,8 +16,7 @@ Three checks, on bench_modes' part a inputs (61 calls back to back, each on its 
    the schedule our plan makes (``get_mla_decoding_metadata(lens, H, 1, H, ...)``: ``ours``) and with the
    head count left out (``no_hq``), two rounds each; then whether our schedule equals the internal one.
 
-``profile`` and ``schedules`` are the code the ninth run's figures in docs/benchmarks.md section 4 came from
-(run from outside the repository then, committed after that run with its printing unchanged).
+What it found: docs/results.md#program-shapes.
 """
 
 from __future__ import annotations

@@ -236,8 +236,8 @@ def fresh_compile(step: Callable) -> Callable:
     lowered = False
 
     def run(*args):
-        # Only the compiling call runs under the patched config: entering it costs ~60 us of host time per
-        # call (on this CPU), which would be timed as the op's.
+        # Only the compiling call runs under the patched config: entering it costs more host time per call
+        # than the op itself, which would be timed as the op's.
         nonlocal lowered
         if lowered:
             return compiled(*args)

@@ -19,7 +19,7 @@ median, warmup=25, rep=200. Each row shows its relative L2 error against the fp3
 against the reference on the dequantized cache), achieved GB/s (KV bytes only), TFLOP/s, and ``floor``:
 measured time over max(bytes / HBM_BPS, FLOPs / PEAK_FLOPS), the H100 SXM bound (other GPUs: read the
 ratio with that in mind). ``--out DIR`` writes bench_kernels.md and .json (and a plot, with matplotlib).
-``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/triton_notes.md);
+``--sweep`` times a grid of launch configs on a few shapes (tuning; see docs/kernels.md);
 ``--overhead`` compares eager timing, CUDA-graph replay and host time per call for our kernel. ``--splits``
 times our default kernel at each split count given (and at its own), launch after launch and in a CUDA graph, with
 each kernel's device time (the decode, the split merge), on the cache formats ``--kinds`` names (all three by
@@ -308,8 +308,7 @@ def sweep(out_dir):
         return DC(bh, bn, ns, w, st, fp8_qk=qk, fp16_mma=f16)
 
     plans = {
-        # fp8 at H>32 runs bf16's configuration: deeper pipelines did not help (2026-11-27: D(64, 64, 8, 3) 371 us,
-        # D(64, 32, 8, 4) 512 us, default 362 us at B=64; docs/triton_notes.md).
+        # fp8 at H>32 runs bf16's configuration: deeper pipelines do not help there (docs/kernels.md).
         (64, 128, 4096): {"bf16": [None], "fp8": [None, D(64, 64, 8, 3), D(64, 32, 8, 4)],
                           "ds": [None, D(64, 32, 8, 3)]},
         (128, 16, 4096): {

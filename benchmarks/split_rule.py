@@ -1,8 +1,8 @@
 """How well ``decode.choose_splits`` picks, read off ``bench_kernels.py --splits`` logs (no GPU needed).
 
 For every case and cache format a log times (fp32 partials; the default kernel, or the ``tl.dot`` kernel in a
-``--splits-kernel=tl_dot`` log), the split count the rule picks with the partials' term and without it (the old rule
-of the Gluon kernels, every count weighed; the ``tl.dot`` kernel's rule now), each as its time over the fastest
+``--splits-kernel=tl_dot`` log), the split count the rule picks with the partials' term and without it (every count
+weighed: the ``tl.dot`` kernel's rule), each as its time over the fastest
 count the logs timed (CUDA-graph replay). A shape timed in several logs: the first log's figures.
 
     python benchmarks/split_rule.py LOG.md [LOG.md ...] [--formats=bf16,fp8,ds] [--bytes-per-tile=3e6,3.5e6]
@@ -15,8 +15,8 @@ count the logs timed (CUDA-graph replay). A shape timed in several logs: the fir
 by the picks it makes, not by a fit of the model's terms). ``--compare``: the rows the logs share (same case, format
 and split count), CUDA-graph µs in each and after over before, with each kernel's device µs where the log has them
 (a change's before/after: the same ``--splits`` command on two builds). ``--merge``: per shape of a ``bench_kernels.py
---merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. The logs behind
-docs/benchmarks.md section 1, tenth and eleventh runs: docs/data/splits-h200-2026-11-28/.
+--merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. What the rule
+weighs and why: docs/kernels.md, "The split rule".
 """
 from __future__ import annotations
 

@@ -44,8 +44,8 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
 
     ``eager_direct``: an eager call ``torch.ops.<namespace>.<name>(...)`` (the op's packet; never its overloads,
     which compiled graphs and tracers call) goes to ``impl`` itself where the dispatcher would hand it the
-    arguments as given (``EagerDirectPacket``): the round trip through the dispatcher was a third of an eager
-    decode call's host time (4.0 of 11.5 µs on CPU with the library stubbed). Only for ops without mutable
+    arguments as given (``EagerDirectPacket``): the round trip through the dispatcher is about a third of an
+    eager decode call's host time (``benchmarks/bench_host_overhead.py``). Only for ops without mutable
     arguments (the dispatcher bumps their version counters) whose ``impl`` takes the schema's arguments
     positionally, a defaulted tail left out."""
     namespace, name = qualname.split("::")

@@ -1,7 +1,7 @@
 """The transformers releases the HF integration is tested with, and the import that checks them.
 
 Kept apart from ``hf.py`` so that ``testing.py`` (the random-model factory) can check the version without
-importing the public HF module, which in turn offers the factory under its old name.
+importing the public HF module.
 """
 
 from __future__ import annotations

@@ -111,8 +111,8 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
     by one) on CUDA tensors, it marks the start of a step for CUDA graphs
     (``torch.compiler.cudagraph_mark_step_begin``)."""
     if isinstance(cache, torch.Tensor):
-        raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache; the slot mapping is now "
-                        "computed on the device from the cache's lengths (the old slot_mapping argument is gone)")
+        raise TypeError("decode_one_token(model, tokens, cache): pass the PagedMLACache, not a tensor; the cache "
+                        "slots come from the cache's lengths on the device")
     if not torch.compiler.is_compiling() and tokens.is_cuda and inductor_loaded():
         # A new step: CUDA graphs of separately compiled layers (regional compilation, mode="reduce-overhead")
         # may now reuse the previous step's output memory. Without the mark their next replay fails ("accessing

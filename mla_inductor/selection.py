@@ -58,10 +58,7 @@ class CallContext:
 
 # A host plan is paid once per graph (Inductor's pass hoists it); with fewer calls than this to share it, a
 # backend planning on the host goes behind the next one that plans on the device (or needs no plan).
-# Measured (docs/benchmarks.md section 2, H100, bf16, S=4096): FlashInfer FA3 per call in a 61-call CUDA-graph
-# step 24.6 us (B=1 H=128) / 23.0 us (H=16) vs FlashMLA 25.6 / 28.7 us; a one-call compiled step on FA3
-# 197.2 / 263.2 us, its host plan included. Sparse (bf16 cache, top-k 2048): one-call FA3 steps 770-1350 us
-# against 165-354 us for our Triton kernel alone (section 1).
+# A host plan costs several times a kernel's device time, so one call cannot repay it (docs/results.md#program-shapes).
 HOST_PLAN_MIN_CALLS = 2
 
 # The kinds of program a Row may be limited to (``graph_kind``): a whole step captured in CUDA graphs (at least
@@ -399,8 +396,8 @@ def _last_resort(name: str) -> bool:
 def _amortize_host_plans(ranked: list[tuple[str, Optional[str]]], context: CallContext):
     """Where the graph has fewer than HOST_PLAN_MIN_CALLS calls to share a plan, each usable backend that plans
     on the host goes right behind the first usable one after it that plans on the device or needs none (a
-    ``last_resort`` backend excepted: the reference is never the faster one on a GPU). In its old place it
-    leaves a note saying why, which ``select_backend`` reports like a refusal."""
+    ``last_resort`` backend excepted: the reference is never the faster one on a GPU). In the place it leaves
+    it puts a note saying why, which ``select_backend`` reports like a refusal."""
     if context.calls_sharing_plan >= HOST_PLAN_MIN_CALLS:
         return ranked
     result = list(ranked)

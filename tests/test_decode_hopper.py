@@ -338,8 +338,8 @@ def _ptxas_for_sm90(get_ptxas) -> str:
 
 
 def test_the_split_merge_compiles_for_sm90_without_spilling():
-    # The merge used to hold every split's whole row at once, which spilled at 128 splits (docs/triton_notes.md,
-    # "The split merge"); the last shape is that old way, so the check itself is seen to catch a spill.
+    # Holding every split's whole row at once spills at 128 splits (docs/kernels.md, "The split merge"); the last
+    # shape is that layout, so the check itself is seen to catch a spill.
     report = _in_a_compiling_process(f"t._merge_spills({MERGE_SHAPES + [(128, 512, True)]!r})")
     old_way = report.pop("128-512-True")
     assert report == {f"{s}-{c}-{o}": 0 for s, c, o in MERGE_SHAPES}, report
@@ -349,8 +349,8 @@ def test_the_split_merge_compiles_for_sm90_without_spilling():
 @pytest.mark.parametrize("B,S", [(2, 4096), (8, 1024), (1, 4096)])
 def test_the_chosen_wide_kernels_fallback_takes_the_tl_dot_kernels_own_splits(as_on_an_sm90_gpu, B, S):
     # No config given: where the wide kernel is chosen but cannot take the call, the tl.dot kernel runs at its own
-    # split count (its rule leaves the partials out), not the Gluon kernel's (an H200 sweep: the Gluon count took
-    # 1.05-1.36x the fastest count's time on the tl.dot kernel at these shapes, its own count the fastest).
+    # split count (its rule leaves the partials out), not the Gluon kernel's, which is slower for the tl.dot kernel
+    # at these shapes (docs/kernels.md, "The split rule").
     pages = S // 16
     c = dict(q_nope=torch.randn(B, 128, 256, dtype=torch.bfloat16), q_pe=torch.randn(B, 128, 64, dtype=torch.bfloat16),
              kv_cache=torch.randn(B * pages, 16, 320, dtype=torch.bfloat16),

@@ -216,8 +216,8 @@ class _DirectRun:
 
     ``BatchMLAPagedAttentionWrapper.run()`` checks its arguments against the plan (q / cache dtypes, out / lse
     shapes, fp8 scales) and hands them, with the planned state (workspaces, plan info, page indices, mask
-    mode, heads, page size, sm_scale), to its compiled module's ``run``: 15-20 µs of Python per call, as much
-    as a short decode kernel. What it checks is fixed by the wrapper's configuration (``_WrapperKey``: dtypes,
+    mode, heads, page size, sm_scale), to its compiled module's ``run``: as much Python time per call as a
+    short decode kernel takes on the device. What it checks is fixed by the wrapper's configuration (``_WrapperKey``: dtypes,
     heads, dims) and by how ``wrapper_run`` calls it (outputs it allocates itself, scales 1.0), so the checks
     need to run once per plan: the first run after each plan goes through ``wrapper.run()`` with the module's
     ``run`` call recorded (``record``), and later runs repeat that call with their own q, cache views, out and

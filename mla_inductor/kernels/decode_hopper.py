@@ -2,11 +2,11 @@
 
 Same arguments and outputs as ``decode._mla_decode_kernel`` for dense and sparse calls on bf16/fp16, fp8_e4m3
 and fp8_ds_mla caches with L=512, R=64 and 64 heads per program (``decode.DecodeLaunch`` launches either; the split
-merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/triton_notes.md, "Open"):
+merge is shared). What it does that the ``tl.dot`` kernel cannot express (docs/kernels.md, "The Hopper kernels"):
 
 * The two warpgroups of the program split every product by columns (warps [4, 2]): the logits tile by key
   and the [64, 512] fp32 output by latent column. Triton's ``tl.dot`` chain gave both warpgroups the whole
-  logits tile (1.53x the useful tensor work at H=128).
+  logits tile, half of it wasted work.
 * P goes to shared memory once and both warpgroups read it as the A operand of the output product. The row
   max is reduced within each warpgroup and the two halves exchanged through a small shared buffer (one
   barrier); the row sum stays per warpgroup until the end (both rescale by the same factor). Gluon's

@@ -3,7 +3,7 @@
 
 Kernels that take a length per row cannot run a length-0 row, so the backends run it as length 1 and
 overwrite the result afterwards (the contract). A ``masked_fill`` does that by reading and writing all of
-``out`` (8 MiB at B=64, H=128: ~6 us on an H100, per layer); these kernels have one program per row that
+``out`` (megabytes per layer at large batches); these kernels have one program per row that
 leaves ``out`` alone unless the row is empty. ``finish_rows`` also copies a kernel's lse from its own
 layout into the contract's, so the whole epilogue is one launch. No host sync, CUDA-graph safe.
 """

@@ -13,8 +13,8 @@ one the kernel was loaded on. Otherwise the launch goes through the JIT, which h
 
 Where torch can load the compiled kernel itself (``_compat.static_triton_kernel``: Inductor's launcher for
 Triton cubins), the relaunch is one C call with the tensors and the precomputed run-time scalars; Triton's own
-launcher asks the current device, stream and launch metadata in Python first (about 2 us more per launch on
-an H100 system's host, where the launch itself took 9-14 us).
+launcher asks the current device, stream and launch metadata in Python first, a noticeable share of a
+short launch's host time (docs/results.md#program-shapes).
 
 The tensors must be the kernel's first parameters; everything after them is fixed (``static_args``). Under
 Triton's interpreter (CPU tensors) every launch goes through the JIT.
