@@ -51,8 +51,9 @@ def test_readme_installs_torch_before_the_package_and_names_the_supported_range(
 
 
 def test_readme_benchmark_commands_exist():
-    block = re.search(r"On a GPU machine:\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
-    scripts = [line.split()[1] for line in block.splitlines() if line.startswith("python benchmarks/")]
+    block = re.search(r"## Benchmarks\n.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    scripts = re.findall(r"^(?:python|torchrun .*?) (benchmarks/\S+\.py)", block, re.M)
+    assert len(scripts) == len(block.strip().splitlines()), "every line of the block runs a benchmark script"
     assert scripts and all((ROOT / s).is_file() for s in scripts), scripts
     readme = (ROOT / "README.md").read_text()
     unlisted = [p.name for p in (ROOT / "benchmarks").glob("bench_*.py") if f"benchmarks/{p.name}" not in readme]
