@@ -58,7 +58,10 @@ class CallContext:
 
 # A host plan is paid once per graph (Inductor's pass hoists it); with fewer calls than this to share it, a
 # backend planning on the host goes behind the next one that plans on the device (or needs no plan).
-# A host plan costs several times a kernel's device time, so one call cannot repay it (docs/results.md#program-shapes).
+# Measured (docs/benchmarks.md section 2, H100, bf16, S=4096): FlashInfer FA3 per call in a 61-call CUDA-graph
+# step 24.6 us (B=1 H=128) / 23.0 us (H=16) vs FlashMLA 25.6 / 28.7 us; a one-call compiled step on FA3
+# 197.2 / 263.2 us, its host plan included. Sparse (bf16 cache, top-k 2048): one-call FA3 steps 770-1350 us
+# against 165-354 us for our Triton kernel alone (section 1).
 HOST_PLAN_MIN_CALLS = 2
 
 # The kinds of program a Row may be limited to (``graph_kind``): a whole step captured in CUDA graphs (at least
