@@ -1,6 +1,6 @@
 """Mutation check of the suite's key tests: break each key behaviour on purpose and see its test fail.
 
-    python tests/mutation_check.py            # prints a markdown table (docs/reliability.md holds its output)
+    python tests/mutation_check.py            # prints a markdown list (docs/reliability.md holds its output)
     python tests/mutation_check.py --only cache   # the mutations whose behaviour names "cache"
 
 For each mutation (a small text patch of one source file) the script copies the repository into a
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,10 +133,18 @@ def check(mutation: Mutation, root: Path) -> list[str]:
         still_passes, after = run_tests(root, mutation.tests)
     finally:
         path.write_text(source)
-    tests = "<br>".join(f"`{t.split('/', 1)[1]}`" for t in mutation.tests)
+    tests = ", ".join(f"`{t.split('/', 1)[1]}`" for t in mutation.tests)
     verdict = "fails, as it must" if passed and not still_passes else "**NOT CAUGHT**" if passed else "baseline fails"
     return [mutation.behaviour, f"`{mutation.file}`", tests, before if passed else f"FAILED: {before}",
             f"{verdict} ({after})"]
+
+
+def markdown_item(row: list[str]) -> str:
+    """One mutation's result as a list item of lines short enough for the docs."""
+    behaviour, file, tests, before, after = row
+    text = f"**{behaviour}** (broken in {file}): {tests}. Unpatched: {before}; patched: {after}."
+    return "\n".join(textwrap.wrap(text, width=116, initial_indent="- ", subsequent_indent="  ",
+                                   break_long_words=False, break_on_hyphens=False))
 
 
 def main() -> int:
@@ -150,10 +159,8 @@ def main() -> int:
         for i, mutation in enumerate(chosen, 1):
             print(f"[{i}/{len(chosen)}] {mutation.behaviour}", file=sys.stderr, flush=True)
             rows.append(check(mutation, root))
-    print("| behaviour | broken in | test(s) | unpatched | patched |")
-    print("|---|---|---|---|---|")
     for row in rows:
-        print("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+        print(markdown_item(row))
     caught = sum("as it must" in row[4] for row in rows)
     print(f"\n{caught} of {len(rows)} mutations caught.")
     return 0 if caught == len(rows) else 1
