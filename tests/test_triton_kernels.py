@@ -389,7 +389,7 @@ def test_value_errors():
     (1, 16, 20, (32, 32), True),      # few (row, head) pairs: every split in one step, narrow column blocks
     (1, 16, 5, (8, 32), True),
     (1, 16, 130, (128, 32), False),   # past 128 splits: a loop
-    (32, 16, 2, (2, 256), True),      # from 512 pairs on: whole rows (the old merge's code where ns <= 16)
+    (32, 16, 2, (2, 256), True),      # from 512 pairs on: whole rows, in one step where ns <= 16
     (32, 16, 20, (16, 256), False),   # and 16 splits a step
 ])
 def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, tile, one_step):
