@@ -33,7 +33,7 @@ def version_tuple(text: str, parts: int = 3) -> tuple[int, ...]:
 def environment_reader(name: str) -> Callable[[], Optional[str]]:
     """A function returning ``os.environ.get(name)``, for settings read on every op call. It looks the name up
     in ``os.environ``'s own dict of encoded names (the private ``os.environ._data``): a dict lookup, where
-    ``os.environ.get`` encodes the name and raises and catches a KeyError when it is unset (about 20x the
+    ``os.environ.get`` encodes the name and raises and catches a KeyError when it is unset (many times the
     cost). Every write through ``os.environ`` (``os.environ[...] =``, ``monkeypatch.setenv``,
     ``mock.patch.dict``) is seen at once, exactly as by ``os.environ.get``; ``os.putenv`` is seen by neither.
     Falls back to ``os.environ.get`` where a Python's ``os.environ`` is built otherwise."""

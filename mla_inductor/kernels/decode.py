@@ -886,7 +886,7 @@ class DecodeLaunch:
         self.merge = None
         if ns > 1:
             # Few (row, head) pairs: each program merges BLOCK_L columns, so that more SMs share the work;
-            # many: whole rows (4x the programs cost more than they spread: 2x at T*H = 4096).
+            # many: whole rows, since more programs would then cost more than they spread (docs/kernels.md).
             self.merge = merge_launch(T * H, ns, L, self.device)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, sparse_indices=None, out=None,
