@@ -16,7 +16,7 @@ Three checks, on bench_modes' part a inputs (61 calls back to back, each on its 
    the schedule our plan makes (``get_mla_decoding_metadata(lens, H, 1, H, ...)``: ``ours``) and with the
    head count left out (``no_hq``), two rounds each; then whether our schedule equals the internal one.
 
-``profile`` and ``schedules`` are the code the ninth run's figures in docs/benchmarks.md section 4 came from
+``profile`` and ``schedules`` are the code the ninth run's figures in docs/results.md#program-shapes came from
 (run from outside the repository then, committed after that run with its printing unchanged).
 """
 

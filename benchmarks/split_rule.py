@@ -15,8 +15,8 @@ count the logs timed (CUDA-graph replay). A shape timed in several logs: the fir
 by the picks it makes, not by a fit of the model's terms). ``--compare``: the rows the logs share (same case, format
 and split count), CUDA-graph µs in each and after over before, with each kernel's device µs where the log has them
 (a change's before/after: the same ``--splits`` command on two builds). ``--merge``: per shape of a ``bench_kernels.py
---merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. The logs behind
-docs/benchmarks.md section 1, tenth and eleventh runs: docs/data/splits-h200-2026-11-28/.
+--merge-tiles`` log, ``decode.merge_tile``'s pick (recomputed) against the fastest tile timed. The logs the split rule was
+chosen on: tests/data/split_logs_h200/ (README there).
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ class StaticKernel(NamedTuple):
     """A compiled Triton kernel loaded by torch's own launcher for Triton cubins (Inductor's
     ``StaticallyLaunchedCudaKernel`` and ``torch._C._StaticCudaLauncher``, private): one C call per launch,
     where Triton's launcher first asks the current device and stream and its launch metadata in Python (about
-    2 us of a 11-16 us relaunch on an H100 system's host, docs/benchmarks.md section 4).
+    2 us of a 11-16 us relaunch on an H100 system's host, docs/results.md#program-shapes).
 
     ``launch(function, grid_x, grid_y, grid_z, num_warps, shared, arg_types, args, stream)`` is the C entry;
     ``runtime_positions``: which of the kernel's parameters (in signature order) are passed at run time (the

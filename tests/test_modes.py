@@ -338,8 +338,8 @@ def test_one_plan_per_step_across_separately_compiled_regions(planned_backend):
 
 def test_a_one_call_graph_at_batch_one_goes_to_triton(fake_sm90):
     """B=1 bf16 on an H100: in a step of many layers FA3 wins (its host plan is shared by all of them); a graph
-    of one call goes to the one-call row, our Triton kernel (two launches, no plan; docs/benchmarks.md section 4,
-    eighth run)."""
+    of one call goes to the one-call row, our Triton kernel (two launches, no plan;
+    docs/results.md#program-shapes)."""
     _, (many,) = lowered(4, "bf16", B=1)
     assert many.backend == "flashinfer_fa3" and many.context == CallContext(4, False)
     for captured in (False, True):
@@ -351,7 +351,7 @@ def test_a_one_call_graph_at_batch_one_goes_to_triton(fake_sm90):
                                                     (32, 128, "flashmla"), (64, 16, "flashmla")])
 def test_a_whole_step_without_cuda_graphs_takes_the_host_cheap_backend(fake_sm90, batch, heads, uncaptured):
     """A step of many layers compiled without CUDA graphs is bound by host work at small B: FA3 up to B=16, and
-    B=32 at H <= 16 (docs/benchmarks.md section 4, eleventh run); the same step captured keeps FlashMLA."""
+    B=32 at H <= 16 (docs/results.md#program-shapes); the same step captured keeps FlashMLA."""
     _, (plain,) = lowered(4, "bf16", B=batch, heads=heads)
     assert plain.context == CallContext(4, False) and plain.backend == uncaptured
     _, (captured,) = lowered(4, "bf16", B=batch, heads=heads, captured=True)

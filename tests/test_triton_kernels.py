@@ -408,7 +408,7 @@ def test_the_split_merge_spreads_few_rows_over_column_blocks(B, H, ns, tile, one
     (128, 64, (64, 256)), (256, 16, (16, 512)), (256, 32, (32, 512)), (256, 128, (128, 128)), (512, 8, (8, 512)),
     (4096, 2, (2, 512)), (1, 2, (2, 32))])
 def test_merge_tiles_at_l512(pairs, ns, tile):
-    # The tiles the H200 sweep chose among (docs/benchmarks.md section 1, eleventh run): 256 programs at the widest
+    # The tiles the H200 sweep chose among (docs/results.md#kernels): 256 programs at the widest
     # column block, at most 16384 values a program (256 pairs of 128 splits: 128 columns, not 512).
     assert tk.merge_tile(pairs, ns, 512) == tile
 
@@ -447,7 +447,7 @@ def test_split_heuristic_weighs_the_partials_traffic():
     assert gluon_splits(12, 128, 16384) == 5 and tk.choose_splits(12, 2, 16384, 64, 132) == 11
     # Three sequences: 22 splits (3 tiles each, 132 programs) were slower than 16 (4 tiles) on the GPU.
     assert gluon_splits(3, 128, 4096) == 16 and tk.choose_splits(3, 2, 4096, 64, 132) == 22
-    # From 32 rows up the two models agree at every shape docs/benchmarks.md names (B=32-256, H=8-128, S=1k-128k);
+    # From 32 rows up the two models agree at every shape docs/results.md names (B=32-256, H=8-128, S=1k-128k);
     # below they differ (sparse calls at top-k 2048 up to B=8: one sequence of 128 heads 32 -> 16).
     for T in (32, 64, 128, 256):
         for H in (8, 16, 32, 64, 128):

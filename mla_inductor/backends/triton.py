@@ -139,8 +139,8 @@ class TritonBackend(Backend):
         return DECODE_OP
 
     def compiled_op_for(self, context):
-        # A fresh split-KV workspace costs more host time than the merge launch it feeds (docs/benchmarks.md
-        # section 4): kept where the graph is not captured by CUDA-graph trees.
+        # A fresh split-KV workspace costs more host time than the merge launch it feeds
+        # (docs/results.md#program-shapes): kept where the graph is not captured by CUDA-graph trees.
         if context is not None and not context.captured:
             return DECODE_KEEPING_WORKSPACE_OP
         return DECODE_OP

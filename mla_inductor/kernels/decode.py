@@ -358,13 +358,13 @@ KERNELS = ("tl_dot", "gluon_sm90", "gluon_sm90_narrow")
 # MERGE_BLOCK_S splits a step, all at once up to that. H200, the merge alone (a one-off script, docs/triton_notes.md):
 # one program per pair holding every split at once spilled at 128 splits (T*H=64: 82.6 -> 20.0 us with a loop and
 # 128 columns a program); at T*H=4096 (8 splits) 128 columns a program cost 2x whole rows (26.0 -> 53.2), and the
-# loop over 16 splits 1.08-1.13x all at once (T*H=4096-16384). Before/after: docs/benchmarks.md section 1, eighth run.
+# loop over 16 splits 1.08-1.13x all at once (T*H=4096-16384). Before/after: docs/results.md#kernels.
 MERGE_BLOCK_S, MERGE_WHOLE_ROWS_FROM = 16, 512
 # Below MERGE_WHOLE_ROWS_FROM pairs: up to MERGE_FEW_ROWS_MAX_SPLITS splits in one step (one round trip to memory
 # instead of two per 16 splits: the loop finds the lse maximum first), and the widest column block that still gives
 # MERGE_MIN_PROGRAMS programs in at most MERGE_TILE_VALUES partial values a program (128 a thread in 4 warps), down
-# to MERGE_MIN_COLUMNS. H200, the merge alone at every tile (bench_kernels.py --merge-tiles, docs/benchmarks.md
-# section 1, eleventh run): the pick is the fastest tile or within 2% at 8 of 10 shapes, 1.07x and 1.12x at 256 pairs.
+# to MERGE_MIN_COLUMNS. H200, the merge alone at every tile (bench_kernels.py --merge-tiles,
+# docs/results.md#kernels): the pick is the fastest tile or within 2% at 8 of 10 shapes, 1.07x and 1.12x at 256 pairs.
 # Whole calls at one or two sequences: 0.78-0.93x their time with 16 splits a step (one step in 128-column blocks),
 # then 0.86-1.01x (these blocks).
 MERGE_FEW_ROWS_MAX_SPLITS, MERGE_TILE_VALUES, MERGE_MIN_PROGRAMS, MERGE_MIN_COLUMNS = 128, 16384, 256, 32
@@ -423,15 +423,9 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-# Bytes of split partials (fp32, written by the decode and read back by the merge) that cost about as much time
-# as one program's KV tile in the wave model below. H200, the 64-head Gluon kernel called directly, bf16, at the 17
-# shapes of ``bench_kernels.py --splits`` in docs/benchmarks.md section 1 (tenth run): with 3.0 MB and the counts
-# below, the model's pick is within 2% of the fastest count measured at every shape (geometric mean 1.001x); the
-# model without either missed by up to 1.31x (1.094x): ``benchmarks/split_rule.py`` on the logs in
-# docs/data/splits-h200-2026-11-28. Chosen on those measurements (3.5-4.0 MB left one at 1.05x);
-# of seven shapes checked afterwards, two (16 (row, head block) pairs over 16 tiles) were 1.05x the fastest count.
-# fp8 and fp8_ds_mla caches: picks within 1% of theirs. Example: one sequence of 128 heads, 4k keys, 64 splits ->
-# 32, 21.0 -> 16.8 us in a CUDA graph; each of the 64 splits' programs wrote a 131 KB partial for 74 KB of cache.
+# Bytes of split partials (fp32, written by the decode and read back by the merge) that cost about as much time as
+# one program's KV tile in the wave model below: the value whose picks came closest to the fastest split count
+# measured (``benchmarks/split_rule.py`` on tests/data/split_logs_h200; docs/results.md#kernels).
 PARTIAL_BYTES_PER_TILE = 3_000_000
 
 
@@ -444,7 +438,7 @@ def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots:
     of the best estimate, the smallest wins: splitting only pays when it fills SMs that would otherwise idle. At
     most ``max_splits``: 128 lets one long sequence at 64 heads per program fill an H100's or H200's 132 SMs (H200,
     kernel called directly, B=1 H=64 S=64k bf16: 60.1 -> 50.0 us with the new merge and 128 splits against the old
-    merge and 64, docs/benchmarks.md section 1, eighth run).
+    merge and 64, docs/results.md#kernels).
 
     ``partial_bytes`` (the Gluon kernels, measured on the GPU; None for the tl.dot kernel, whose own picks were the
     fastest count timed at every shape of an H200 sweep without it, section 1, twelfth run): the bytes
@@ -489,7 +483,7 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index, sparse=Fal
     if cfg.block_h in (32, 64):
         # The Gluon kernel (decode_hopper), at the tl.dot kernel's 64-head tiling and splits (from 33 heads up its
         # fallback keeps them): 1.5-1.8x the tl.dot kernel's speed at H=128 from B=16 up on an H100 (2.4x for
-        # fp8_ds_mla; docs/benchmarks.md section 1). From 17 to 32 heads too, though half of its 64-row products
+        # fp8_ds_mla; docs/results.md#kernels). From 17 to 32 heads too, though half of its 64-row products
         # or more are then empty: at H=32 (DeepSeek-V3 at tensor parallel 4) it still beats the tl.dot kernel's
         # 32-head tiling, most of all on fp8 caches, which the tl.dot kernel widens in the warps that run its
         # products (H100, B=128 S=4096: bf16 1.16x, fp8_e4m3 1.69x, fp8_ds_mla 1.87x; section 1, seventh run).
@@ -497,14 +491,14 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index, sparse=Fal
         return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode == _KV_PLAIN and not sparse and T * kv_len <= WIDE_FEW_HEADS_MAX_KEYS:
         # Dense bf16/fp16 at 16 heads or fewer, up to 2^19 (query row, key) pairs: the 64-head Gluon kernel, though
-        # 48 or more of its 64 rows are empty. H200, bench_kernels' forced rows (docs/benchmarks.md section 1, ninth
-        # run): 0.78-0.97x the tl.dot kernel's time from B=1 to B=128 at S=4096 and up to B=8 at S=32k (B=16 even);
+        # 48 or more of its 64 rows are empty. H200, bench_kernels' forced rows (docs/results.md#kernels): 0.78-0.97x
+        # the tl.dot kernel's time from B=1 to B=128 at S=4096 and up to B=8 at S=32k (B=16 even);
         # beyond, the tl.dot kernel (two programs per SM) reads at the HBM floor and is ~1% ahead. Sparse calls keep
         # the tl.dot kernel (at 16 heads, top-k 2048, it was ahead at B=1 and B=128 and even at B=32).
         return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode in (_KV_FP8, _KV_DS):
         # Its 16-head variant (keys on wgmma's M side), two programs per SM: fp8 caches only (ahead of the wide
-        # kernel on them from B=16 up, docs/benchmarks.md section 1, ninth run).
+        # kernel on them from B=16 up, docs/results.md#kernels).
         return gluon_config("gluon_sm90_narrow", T, H, kv_len, device)
     return cfg
 
@@ -674,7 +668,7 @@ def triton_paged_decode(
 # Split-KV workspaces kept between calls, one per (device, stream). A call's partials are read by its own merge
 # kernel, next on the same stream, so the next call on that stream may write them again (stream order): no
 # allocation per call, which cost more host time than the merge launch it feeds (one allocation and its two
-# views: 11-21 us per call on an H100 system's host, 0.1-2.8 us kept; docs/benchmarks.md section 4). Not
+# views: 11-21 us per call on an H100 system's host, 0.1-2.8 us kept; docs/results.md#program-shapes). Not
 # while a CUDA graph is captured: a graph keeps the addresses it recorded, so its workspace comes from the
 # graph's own pool, one per capture, as before; and only for eager calls and graphs compiled without CUDA graphs
 # (see DecodeLaunch.__call__).
@@ -855,7 +849,7 @@ class DecodeLaunch:
         # kernel at its own configuration (at 32 heads its own tiling is 1.3x faster than the 64-head one; at 64
         # heads the tilings agree but the split counts do not: the Gluon kernels' rule weighs the partials, which
         # picked 1.05-1.36x the fastest count's time for the tl.dot kernel where its own rule picked the fastest,
-        # docs/benchmarks.md section 1, twelfth run). A caller's 64-head config keeps its splits.
+        # docs/results.md#kernels). A caller's 64-head config keeps its splits.
         own = tl_dot_config(T, H, kv_len_hint, self.device)
         self.fallback = cfg.with_kernel("tl_dot") if config is not None and cfg.block_h == own.block_h == 64 else own
         if cfg.kernel != "tl_dot" and not _hopper_kernel_covers(cfg.kernel, q_nope.dtype, kv_cache.dtype, kv_mode, L,
