@@ -21,7 +21,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOLERANCE = 0.03  # a pick slower than another backend by more than this fraction contradicts its row
@@ -104,7 +104,8 @@ def governing_row(cell: Cell):
     """The selection row that decides this cell's call on SM90."""
     from mla_inductor.selection import table_row
 
-    return table_row(*_problem_and_context(cell)[:1], SM90, _problem_and_context(cell)[1])
+    problem, context = _problem_and_context(cell)
+    return table_row(problem, SM90, context)
 
 
 def ranked_first(cell: Cell) -> str:

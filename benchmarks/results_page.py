@@ -63,11 +63,6 @@ ROW_COMMANDS = {
 GPU_ROWS = "python benchmarks/bench_kernels.py --out DIR"  # rows of devices no committed run measured
 
 
-def para(text: str) -> list[str]:
-    """A paragraph wrapped to the page's width, then a blank line."""
-    return [*textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False), ""]
-
-
 def _command(command: str, prefix: str = "Command: ") -> list[str]:
     """The command inline where it fits a line, else in a block wrapped with continuations."""
     if len(prefix) + len(command) + 2 <= 198:
@@ -86,16 +81,21 @@ def provenance(data: dict) -> list[str]:
     date = env.pop("date", "not stated")
     device = env.pop("device", "not stated")
     versions = ", ".join(f"{k} {v}" for k, v in env.items())
-    return [*_command(data.get("command", "not stated"), "- Command: "), f"- Device: {device}; {versions}", f"- Date: {date}",
-            ""]
+    return [*_command(data.get("command", "not stated"), "- Command: "), f"- Device: {device}; {versions}",
+            f"- Date: {date}", ""]
 
 
 def not_measured(command: str) -> list[str]:
     return [*_command(command, "Not measured yet: "), ""]
 
 
+def _num(value, spec: str = ".1f") -> str:
+    """A figure as the page prints it; what a run wrote instead of one (an error, "not run") as written."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value or "")
+
+
 def _us(value) -> str:
-    return f"{value:.1f}" if isinstance(value, (int, float)) else str(value or "")
+    return _num(value)
 
 
 def _ratio(value) -> str:
@@ -104,8 +104,8 @@ def _ratio(value) -> str:
 
 def kernels_section(runs: dict) -> list[str]:
     out = ["## <a id=\"kernels\"></a>1. Our kernels vs the peers", "",
-           "Each kernel called directly (no op, no pass): µs per call (`triton.testing.do_bench` median), its time over the "
-           "HBM / tensor-core floor, bytes read per second, relative error against the fp32 reference.", ""]
+           "Each kernel called directly (no op, no pass): µs per call (`triton.testing.do_bench` median), its time "
+           "over the HBM / tensor-core floor, bytes read per second, relative error against the fp32 reference.", ""]
     data = runs.get(KERNELS)
     if data is None:
         return out + not_measured(GPU_ROWS)
@@ -113,7 +113,8 @@ def kernels_section(runs: dict) -> list[str]:
     by_case: dict = {}
     for r in data["rows"]:
         by_case.setdefault(r["case"], {"case": r["case"]})[r["kernel"]] = (
-            f"{_us(r['us'])} ({r['over_floor']:.2f}× floor, {r['gb_per_s']:.0f} GB/s, err {r['rel_err']:.0e})")
+            f"{_us(r['us'])} ({_num(r.get('over_floor'), '.2f')}× floor, {_num(r.get('gb_per_s'), '.0f')} GB/s, "
+            f"err {_num(r.get('rel_err'), '.0e')})")
     rows = list(by_case.values())
     return out + [markdown_table(["case", *kernels], rows), ""] + provenance(data)
 
@@ -162,12 +163,13 @@ def modes_section(runs: dict) -> list[str]:
     else:
         modes = [m for m in ("whole+cudagraphs", "per_layer+cudagraphs", "per_layer+captured_step", "whole",
                              "per_layer") if any(isinstance(r.get(f"{m}_ms"), float) for r in data["rows"]["d"])]
-        rows = [{"cache": r["fmt"], "B": r["B"], **{f"{m} ms": _us(r.get(f"{m}_ms")) if False else
-                                                  f"{r.get(f'{m}_ms'):.2f}" for m in modes},
-                 "ratio": f"{(r.get('per_layer_ratio') or r.get('captured_step_ratio')):.2f}",
-                 "backend": " / ".join(str(r.get(f"{m}_backend")) for m in modes)} for r in data["rows"]["d"]]
-        out += [markdown_table(list(rows[0]), rows), "", "Ratio: per layer over the whole step, both captured.",
-                ""] + provenance(data)
+        ratios = [k for k in ("per_layer_ratio", "captured_step_ratio") if any(r.get(k) for r in data["rows"]["d"])]
+        rows = [{"cache": r["fmt"], "B": r["B"], **{f"{m} ms": _num(r.get(f"{m}_ms"), ".2f") for m in modes},
+                 **{k.replace("_", " "): _num(r.get(k), ".2f") for k in ratios},
+                 "backends": " / ".join(str(r.get(f"{m}_backend") or "-") for m in modes)} for r in data["rows"]["d"]]
+        out += [markdown_table(list(rows[0]), rows), "", "Per layer ratio: each layer compiled alone with CUDA graphs "
+                "over the whole step with CUDA graphs; captured step ratio: the layers compiled alone under one CUDA "
+                "graph of the step (`hf.CapturedDecodeStep`) over the same.", ""] + provenance(data)
     data = runs.get(CHANGING_BATCH)
     out += ["### <a id=\"modes-changing-batch\"></a>Changing batch: one compiled function called at B = 4, 8, 16, 64",
             ""]
@@ -177,7 +179,8 @@ def modes_section(runs: dict) -> list[str]:
         pivot: dict = {}
         for r in data["rows"]["c"]:
             pivot.setdefault((r["fmt"], r["mode"]), {"cache": r["fmt"], "compiled with": r["mode"]})[f"B={r['B']}"] = (
-                f"{_us(r['us_per_call'])} / {_us(r['alone_us'])} ({r['ratio']:.2f}×) {r.get('alone_backend')}")
+                f"{_us(r['us_per_call'])} / {_us(r['alone_us'])} ({_num(r.get('ratio'), '.2f')}×) "
+                f"{r.get('alone_backend')}")
         rows = list(pivot.values())
         out += [markdown_table(list(rows[0]), rows), "", "Each cell: µs per call / the same step compiled for that B "
                 "alone (ratio), and the backend the step compiled alone chose.", ""] + provenance(data)
@@ -191,7 +194,7 @@ def _row_title(row) -> str:
 MAX_CELLS = 5  # cells listed per row: the contradicting ones first (check_table.py lists them all)
 
 
-def row_subsections(rows, verdicts: dict, runs: dict) -> list[str]:
+def row_subsections(rows, verdicts: dict) -> list[str]:
     """One anchored subsection per selection row: its reason, order and the cells of the committed runs it
     governs, with whether they agree."""
     out = []
@@ -207,7 +210,8 @@ def row_subsections(rows, verdicts: dict, runs: dict) -> list[str]:
             verdict = (f"**Contradicted**: in {len(wrong)} of the {len(judged)} cells compared the pick is {slower}"
                        if wrong else f"Holds: in none of the {len(judged)} cells compared is the pick {slower}")
             shown = judged[:MAX_CELLS]
-            more = f" ({len(judged) - len(shown)} more in `check_table.py`'s output)" if len(judged) > len(shown) else ""
+            hidden = len(judged) - len(shown)
+            more = f" ({hidden} more in `check_table.py`'s output)" if hidden else ""
             out += [f"{verdict}{more}; µs per call, fastest first:", ""]
             table = [{"run": v.cell.run.removesuffix(".json"), "case": v.cell.case, "program shape": v.cell.shape,
                       "picks": v.pick, "measured": ", ".join(f"{n} {us:.1f}" for n, us in
@@ -221,10 +225,9 @@ def row_subsections(rows, verdicts: dict, runs: dict) -> list[str]:
     return out
 
 
-def selection_section(runs: dict) -> list[str]:
+def selection_section(runs: dict, verdicts: dict) -> list[str]:
     from mla_inductor.selection import TABLE
 
-    verdicts = check_table.verdicts(runs)
     sm90 = [row for row in TABLE if row.device == "sm90"]
     out = ["### <a id=\"selection-rows\"></a>The selection rows on SM90 (H100, H200)", "",
            "One subsection per row of `mla_inductor/selection_table.py`, first matching row first: the cells of the "
@@ -237,13 +240,14 @@ def selection_section(runs: dict) -> list[str]:
             args = data["command"].removeprefix("python benchmarks/bench_modes.py ").removesuffix(" --out DIR")
             out.append(f"- `{name.removesuffix('.json')}` ({env.get('device', '').removeprefix('NVIDIA ')}, "
                        f"{env.get('date')}): `{args}`")
-    return out + [""] + row_subsections(sm90, verdicts, runs)
+    return out + [""] + row_subsections(sm90, verdicts)
 
 
 def accuracy_section(runs: dict) -> list[str]:
     out = ["## <a id=\"fp8-accuracy\"></a>4. FP8 accuracy", "",
            "Relative L2 error of each backend against the fp32 reference on the same cache (the kernel's own error), "
-           "the largest over the cases (B=16 H=128, dense and sparse), on random data and with the rope part ×8; "
+           "the largest over the cases (B=16 H=128; B=8 H=16 with two queries a sequence; dense and sparse), on "
+           "random data and with the rope part ×8; "
            "`vs bf16 cache`: against the bf16 cache of the same values (adding what the cache format costs).", ""]
     data = runs.get(ACCURACY)
     if data is None:
@@ -257,9 +261,9 @@ def accuracy_section(runs: dict) -> list[str]:
         for key in ("err", "err_vs_bf16_cache"):
             g[(kind, key)] = max(g.get((kind, key), 0.0), r[key])
     rows = [{"cache": cache, "backend": backend, "query": query,
-             "error, random": f"{g.get(('random', 'err'), 0):.1e}", "error, rope ×8": f"{g.get(('rope', 'err'), 0):.1e}",
-             "vs bf16 cache, random": f"{g.get(('random', 'err_vs_bf16_cache'), 0):.1e}",
-             "vs bf16 cache, rope ×8": f"{g.get(('rope', 'err_vs_bf16_cache'), 0):.1e}"}
+             **{f"{what}, {data_name}": _num(g.get((kind, key)), ".1e") for what, key in
+                (("error", "err"), ("vs bf16 cache", "err_vs_bf16_cache"))
+                for kind, data_name in (("random", "random"), ("rope", "rope ×8"))}}
             for (cache, backend, query), g in groups.items()]
     return out + [markdown_table(list(rows[0]), rows), ""] + provenance(data)
 
@@ -271,11 +275,10 @@ def hf_section(runs: dict) -> list[str]:
     if data is None:
         out += not_measured("python benchmarks/bench_generate.py --out DIR")
     else:
-        rows = [{"row": r["name"], "batch": r["batch"], "ms": _us(r["ms"]) if r["ms"] is None else f"{r['ms']:.2f}",
-                 "tokens/s": f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "",
-                 "HBM floor ms": f"{r['floor_ms']:.2f}" if r.get("floor_ms") else "", "kernel": r.get("kernel", ""),
-                 "what": r["what"]} for r in data["rows"]]
-        ratios = [{"ratio": k, "measured": f"{v:.2f}"} for k, v in data.get("ratios", {}).items()]
+        rows = [{"row": r["name"], "batch": r["batch"], "ms": _num(r.get("ms"), ".2f") or r.get("error"),
+                 "tokens/s": _num(r.get("tokens_per_s"), ".0f"), "HBM floor ms": _num(r.get("floor_ms"), ".2f"),
+                 "kernel": r.get("kernel", ""), "what": r["what"]} for r in data["rows"]]
+        ratios = [{"ratio": k, "measured": _num(v, ".2f")} for k, v in data.get("ratios", {}).items()]
         out += [markdown_table(list(rows[0]), rows), "", markdown_table(["ratio", "measured"], ratios), ""]
         out += provenance(data)
     out += ["### <a id=\"e2e\"></a>A decode step of a 4-layer DeepSeek-V3-shaped model against HF's own", ""]
@@ -283,8 +286,9 @@ def hf_section(runs: dict) -> list[str]:
     if data is None:
         out += not_measured("python benchmarks/bench_e2e.py --out DIR")
     else:
-        rows = [{"variant": r["variant"], "B": r["batch"], "cache": r["cache_format"], "ms per step": f"{r['ms_step']:.3f}",
-                 "attention ms": f"{r['ms_attention']:.3f}", "kernel": ", ".join(r["backends"]) or "HF sdpa",
+        rows = [{"variant": r["variant"], "B": r["batch"], "cache": r["cache_format"],
+                 "ms per step": _num(r.get("ms_step"), ".3f") or r.get("error"),
+                 "attention ms": _num(r.get("ms_attention"), ".3f"), "kernel": ", ".join(r["backends"]) or "HF sdpa",
                  "notes": r["note"]} for r in data["rows"]]
         out += [markdown_table(list(rows[0]), rows), ""] + provenance(data)
     return out
@@ -297,22 +301,22 @@ def distributed_section() -> list[str]:
             *not_measured("torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out DIR")]
 
 
-def cpu_section(runs: dict, verdicts: dict) -> list[str]:
+def cpu_section(verdicts: dict) -> list[str]:
     from mla_inductor.selection import TABLE
 
     out = ["## <a id=\"cpu\"></a>7. The CPU path", "",
            "On CPU every call runs plain Inductor code made from the reference (chunked over the context, so its "
            "memory stays bounded: `tests/test_cpu_memory.py` asserts the bounds).", "",
            *not_measured("python benchmarks/bench_e2e.py --device cpu --small --out DIR")]
-    return out + row_subsections([row for row in TABLE if row.device == "cpu"], verdicts, runs)
+    return out + row_subsections([row for row in TABLE if row.device == "cpu"], verdicts)
 
 
-def other_gpus_section(runs: dict, verdicts: dict) -> list[str]:
+def other_gpus_section(verdicts: dict) -> list[str]:
     from mla_inductor.selection import TABLE
 
     out = ["## <a id=\"other-gpus\"></a>8. Other GPUs (SM80, SM100, SM120)", "",
            "Their rows follow what FlashInfer and vLLM choose on those devices; no committed run measures them.", ""]
-    return out + row_subsections([row for row in TABLE if row.device not in ("cpu", "sm90")], verdicts, runs)
+    return out + row_subsections([row for row in TABLE if row.device not in ("cpu", "sm90")], verdicts)
 
 
 def wrap_prose(lines: list[str]) -> list[str]:
@@ -336,12 +340,13 @@ def page(runs: dict) -> str:
              "`--out DIR` wrote); do not edit by hand: run the command, copy its JSON over the file, regenerate.",
              "Timing is `triton.testing.do_bench`'s median unless a section says otherwise; µs per call, ms per step.",
              "", "Contents: [kernels vs peers](#kernels) · [the pass's cost](#pass-cost) · "
-             "[program shapes](#program-shapes) · [selection rows](#selection-rows) · [FP8 accuracy](#fp8-accuracy) · "
-             "[HF generate() and end to end](#hf) · [many GPUs](#many-gpus) · [CPU](#cpu) · [other GPUs](#other-gpus)",
+             "[program shapes](#program-shapes) · [selection rows](#selection-rows) · "
+             "[FP8 accuracy](#fp8-accuracy) · [HF generate() and end to end](#hf) · [many GPUs](#many-gpus) · "
+             "[CPU](#cpu) · [other GPUs](#other-gpus)",
              ""]
-    lines += kernels_section(runs) + pass_section() + modes_section(runs) + selection_section(runs)
-    lines += accuracy_section(runs) + hf_section(runs) + distributed_section() + cpu_section(runs, verdicts)
-    lines += other_gpus_section(runs, verdicts)
+    lines += kernels_section(runs) + pass_section() + modes_section(runs) + selection_section(runs, verdicts)
+    lines += accuracy_section(runs) + hf_section(runs) + distributed_section() + cpu_section(verdicts)
+    lines += other_gpus_section(verdicts)
     lines = wrap_prose(lines)
     while lines and lines[-1] == "":
         lines.pop()
@@ -363,7 +368,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if current == text:
         print(f"{args.page} matches {args.results}")
         return 0
-    diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(), "page", "from the data", lineterm="", n=0))
+    diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(), "page", "from the data", lineterm="",
+                                     n=0))
     print(f"{args.page} differs from what {args.results} makes (regenerate: {GENERATOR}):\n" + "\n".join(diff[:40]))
     return 1
 

@@ -92,7 +92,8 @@ def test_check_table_names_a_row_the_data_contradicts(checker, tmp_path, capsys)
     shutil.copytree(RESULTS, results)
     path = results / "modes_captured_one_sequence_h200.json"
     data = json.loads(path.read_text())
-    triton = [r for r in data["rows"]["a"] if r["case"].startswith("B=1 H=16 bf16") and r["cudagraphs_backend"] == "triton"]
+    triton = [r for r in data["rows"]["a"]
+              if r["case"].startswith("B=1 H=16 bf16") and r["cudagraphs_backend"] == "triton"]
     assert triton
     for row in triton:
         row["cudagraphs_us"] = 100.0

@@ -441,7 +441,7 @@ def choose_splits(rows: int, head_blocks: int, kv_len: int, block_n: int, slots:
     merge and 64, docs/results.md#kernels).
 
     ``partial_bytes`` (the Gluon kernels, measured on the GPU; None for the tl.dot kernel, whose own picks were the
-    fastest count timed at every shape of an H200 sweep without it, section 1, twelfth run): the bytes
+    fastest count timed at every shape of an H200 sweep without it; docs/results.md#kernels): the bytes
     one more split adds to the call's partials. m then grows by those bytes per split in tiles' worth of time
     (``PARTIAL_BYTES_PER_TILE``), and the counts weighed are powers of two and those that fill whole waves of
     programs: counts between them (13 splits at B=4 H=128 S=4096, 19 at B=6 H=64 S=8192) were slower than both
@@ -486,7 +486,7 @@ def _choose_config_cached(T, H, kv_len, kv_mode, dev_type, dev_index, sparse=Fal
         # fp8_ds_mla; docs/results.md#kernels). From 17 to 32 heads too, though half of its 64-row products
         # or more are then empty: at H=32 (DeepSeek-V3 at tensor parallel 4) it still beats the tl.dot kernel's
         # 32-head tiling, most of all on fp8 caches, which the tl.dot kernel widens in the warps that run its
-        # products (H100, B=128 S=4096: bf16 1.16x, fp8_e4m3 1.69x, fp8_ds_mla 1.87x; section 1, seventh run).
+        # products (H100, B=128 S=4096: bf16 1.16x, fp8_e4m3 1.69x, fp8_ds_mla 1.87x; docs/results.md#kernels).
         # DecodeLaunch keeps the tl.dot kernel for calls it does not cover (other L/R or dtypes, an unaligned cache).
         return gluon_config("gluon_sm90", T, H, kv_len, device)
     if cfg.block_h == 16 and kv_mode == _KV_PLAIN and not sparse and T * kv_len <= WIDE_FEW_HEADS_MAX_KEYS:
