@@ -9,8 +9,10 @@ b: a graph of one call, without and with CUDA graphs) on the backend it chose, o
 shape of one run; the selection row that governs it is the one ``selection.table_row`` matches for that call on
 SM90. A row is contradicted where, in a cell it governs, the backend it ranks first (``select_backend`` with every
 library installed) measured slower than another backend measured in the same run by more than ``TOLERANCE``.
-Prints the contradicted rows with their cells, then the rows that hold and the rows no committed run compares;
-exits 0 (``--strict``: 1 when some row is contradicted).
+Prints the contradicted rows with their cells, then the rows that hold and the rows no committed run compares,
+then each cell whose run chose another backend than the table picks today (that run's rows with no backend
+preferred: a run made with the table of today picks alike in every cell); exits 0 (``--strict``: 1 when some row
+is contradicted or some pick differs).
 """
 
 from __future__ import annotations
@@ -67,7 +69,17 @@ def load_runs(results: Path = RESULTS) -> dict[str, dict]:
 def measurements(runs: dict[str, dict]) -> dict[Cell, dict[str, float]]:
     """{cell: {backend: µs per call}} from every bench_modes part a / b row. A row timed with an e4m3 query counts
     only for calls that allowed one; a row keeping q in bf16 counts for both kinds of call."""
+    return _read_cells(runs)[0]
+
+
+def recorded_picks(runs: dict[str, dict]) -> dict[Cell, str]:
+    """{cell: the backend the run's own selection chose} (its rows with no backend preferred)."""
+    return _read_cells(runs)[1]
+
+
+def _read_cells(runs: dict[str, dict]) -> tuple[dict, dict]:
     cells: dict[Cell, dict[str, float]] = {}
+    picks: dict[Cell, str] = {}
     for run, data in runs.items():
         rows = data.get("rows")
         if not isinstance(rows, dict):
@@ -77,7 +89,7 @@ def measurements(runs: dict[str, dict]) -> dict[Cell, dict[str, float]]:
                 label = _LABEL.match(str(row.get("case", "")))
                 if label is None:
                     continue
-                B, H, fmt, varlen, query, _ = label.groups()
+                B, H, fmt, varlen, query, preferred = label.groups()
                 e4m3_row = bool(query) and "e4m3" in query
                 for (p, mode) in SHAPES:
                     backend, us = row.get(f"{mode}_backend"), row.get(f"{mode}_us")
@@ -86,7 +98,9 @@ def measurements(runs: dict[str, dict]) -> dict[Cell, dict[str, float]]:
                     for allowed in ((True,) if e4m3_row else (False, True) if fmt == "fp8_e4m3" else (False,)):
                         cell = Cell(run, part, mode, int(B), int(H), fmt, bool(varlen), allowed)
                         cells.setdefault(cell, {}).setdefault(str(backend), float(us))
-    return cells
+                        if preferred is None and allowed == e4m3_row:
+                            picks[cell] = str(backend)
+    return cells, picks
 
 
 def _problem_and_context(cell: Cell):
@@ -155,7 +169,7 @@ def verdicts(runs: dict[str, dict]) -> dict[str, list[Verdict]]:
 
 
 def report(runs: dict[str, dict]) -> tuple[str, int]:
-    """The printed report and how many rows the data contradicts."""
+    """The printed report, and how many rows the data contradicts plus how many cells' picks differ."""
     from mla_inductor.selection import TABLE
 
     found = verdicts(runs)
@@ -171,16 +185,21 @@ def report(runs: dict[str, dict]) -> tuple[str, int]:
             holding.append(f"holds        {name}: {len(judged)} cell{'s' if len(judged) != 1 else ''} compared")
         else:
             untested.append(f"no data      {name}")
-    lines = [*contradicted, *holding, *untested,
+    differ = [f"PICK DIFFERS {cell.run}: {cell.case}, {cell.shape}: the run chose {chosen}, the table picks "
+              f"{ranked_first(cell)}" for cell, chosen in recorded_picks(runs).items() if chosen != ranked_first(cell)]
+    lines = [*contradicted, *holding, *untested, *differ,
+             f"{len(differ)} cell(s) where a run's own pick differs from the table's today (a run made with another "
+             "table, or a change of behaviour)",
              f"{len(contradicted)} row(s) contradicted, {len(holding)} hold, {len(untested)} not compared by the "
              f"committed runs (tolerance {TOLERANCE:.0%})"]
-    return "\n".join(lines), len(contradicted)
+    return "\n".join(lines), len(contradicted) + len(differ)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="the directory of committed JSON results")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the data contradicts some row")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when the data contradicts some row or a run's pick differs from the table's")
     args = parser.parse_args(argv)
     text, wrong = report(load_runs(args.results))
     print(text)

@@ -30,13 +30,13 @@ GENERATOR = "python benchmarks/results_page.py"
 WIDTH = 150  # prose is wrapped to this; no line of the page is longer than 200 characters
 
 # The committed result each question's table is made from (benchmarks/results/<name>).
-KERNELS = "kernels_h200.json"
-STEP_MODES = "modes_h100.json"  # parts a and b
-PER_LAYER = "modes_per_layer_h200.json"
-CHANGING_BATCH = "modes_changing_batch_h100.json"
-ACCURACY = "accuracy_h100.json"
-GENERATE = "generate_h100.json"
-E2E = "e2e_h100.json"
+KERNELS = "kernels.json"
+STEP_MODES = "modes.json"  # parts a and b
+PER_LAYER = "modes_per_layer.json"
+CHANGING_BATCH = "modes_changing_batch.json"
+ACCURACY = "accuracy.json"
+GENERATE = "generate.json"
+E2E = "e2e.json"
 
 # What measures a row that no committed run compares yet.
 MODES = "python benchmarks/bench_modes.py"

@@ -119,3 +119,20 @@ def test_a_fresh_bench_modes_json_is_read_as_written(checker, tmp_path):
     found = checker.verdicts(checker.load_runs(tmp_path))["sm90-bf16-captured-few-sequences"]
     assert [(v.cell.case, v.cell.shape, v.pick, v.times) for v in found] == [
         ("B=4 H=16 bf16", "CUDA graphs", "triton", {"triton": 14.0, "flashmla": 19.0})]
+
+
+def test_check_table_names_cells_a_run_chose_differently(checker, tmp_path, capsys):
+    """A run whose own selection chose another backend than the table picks today (a change of behaviour, or a run
+    made with an older table) is listed cell by cell, and --strict fails; a run picking alike passes."""
+    report = load_benchmark("report")
+    row = {"case": "B=4 H=16 bf16", "best_peer": "flashmla", "peer_us": 18.0, "cudagraphs_us": 14.0,
+           "cudagraphs_backend": "triton"}
+    report.write_results(str(tmp_path), "bench_modes", "table",
+                         {"environment": {}, "rows": {"a": [row], "b": [], "c": [], "d": []}})
+    assert checker.main(["--results", str(tmp_path), "--strict"]) == 0
+    row["cudagraphs_backend"] = "flashmla"
+    report.write_results(str(tmp_path), "bench_modes", "table",
+                         {"environment": {}, "rows": {"a": [row], "b": [], "c": [], "d": []}})
+    assert checker.main(["--results", str(tmp_path), "--strict"]) == 1
+    assert ("PICK DIFFERS bench_modes.json: B=4 H=16 bf16, CUDA graphs: the run chose flashmla, the table picks "
+            "triton") in capsys.readouterr().out
