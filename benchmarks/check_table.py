@@ -1,6 +1,6 @@
 """Which selection rows the committed measurements contradict (no GPU needed).
 
-    python benchmarks/check_table.py [--results DIR] [--strict]
+    python benchmarks/check_table.py [--results DIR] [--only FILE] [--strict]
 
 Reads every ``bench_modes.py --out`` JSON under ``benchmarks/results/`` (``--results``): each part a / part b
 row times our op in a program shape (part a: eager, compiled, compiled with CUDA graphs, a step of 61 calls; part
@@ -200,8 +200,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="the directory of committed JSON results")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when the data contradicts some row or a run's pick differs from the table's")
+    parser.add_argument("--only", default=None, metavar="FILE[,FILE]",
+                        help="judge only these files of the results directory (e.g. a run just copied in)")
     args = parser.parse_args(argv)
-    text, wrong = report(load_runs(args.results))
+    runs = load_runs(args.results)
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in runs]
+        if unknown:
+            parser.error(f"--only: no {unknown} in {args.results}; there are {sorted(runs)}")
+        runs = {n: runs[n] for n in names}
+    text, wrong = report(runs)
     print(text)
     return 1 if args.strict and wrong else 0
 

@@ -83,6 +83,10 @@ def test_check_table_reports_every_row(checker, capsys):
         assert f"({row.anchor})" in out, row.anchor
     held = [line for line in out.splitlines() if line.startswith("holds")]
     assert any("(sm90-bf16-captured-one-sequence)" in line for line in held)
+    assert checker.main(["--only", "modes.json"]) == 0
+    assert "modes_captured_h200.json" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        checker.main(["--only", "no_such_run.json"])
 
 
 def test_check_table_names_a_row_the_data_contradicts(checker, tmp_path, capsys):
