@@ -20,9 +20,8 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_table  # noqa: E402
-from report import markdown_table  # noqa: E402
+import check_table
+from report import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "results.md"
