@@ -7,6 +7,8 @@ import contextlib
 import cProfile
 import json
 import pstats
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -74,12 +76,14 @@ def _cell(value) -> str:
 
 
 def write_results(out_dir: Optional[str], name: str, markdown: str, data: dict) -> None:
-    """``<out_dir>/<name>.md`` and ``<out_dir>/<name>.json`` (nothing without ``--out``)."""
+    """``<out_dir>/<name>.md`` and ``<out_dir>/<name>.json`` (nothing without ``--out``). The JSON starts with the
+    command that made it (``command``), as benchmarks/results_page.py shows it beside the table."""
     if not out_dir:
         return
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     (path / f"{name}.md").write_text(markdown + "\n")
+    data = {"command": shlex.join(["python", *sys.argv]), **data}
     (path / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"wrote {path / (name + '.md')} and {path / (name + '.json')}", flush=True)
 

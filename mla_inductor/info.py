@@ -66,10 +66,10 @@ def matrix_rows(available: dict[str, Optional[str]]):
 def backend_matrix_markdown() -> str:
     """docs/backends.md's generated part: the table rows and what select_backend picks on each device,
     assuming every backend's library is installed."""
-    lines = ["| device | cache | sparse | calls | preference order | evidence |", "|---|---|---|---|---|---|"]
+    lines = ["| device | cache | sparse | calls | preference order | why |", "|---|---|---|---|---|---|"]
     for row in TABLE:
         lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | "
-                     f"{row.applies_to()} | {' → '.join(row.order)} | {row.evidence} |")
+                     f"{row.applies_to()} | {' → '.join(row.order)} | [{row.reason}](results.md#{row.anchor}) |")
     lines += ["", "First matching row wins. Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every "
               "library installed (batch 1 listed where it differs):", "",
               "| device | cache | sparse | H | page | B | backend | passed over |", "|---|---|---|---|---|---|---|---|"]

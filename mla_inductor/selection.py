@@ -5,7 +5,8 @@ what is installed, the user's preference and, for a compiled call, its ``CallCon
 its graph share a plan, whether the graph is captured in a CUDA graph); the Inductor pass and the eager
 path both ask it. The table ranks kernels as they run in a model's step, where one plan serves every layer;
 a backend that plans on the host is moved behind one that plans on the device where its graph has no other
-call to share that plan with (``HOST_PLAN_MIN_CALLS``). ``backend_for_append`` picks the writer of
+call to share that plan with (``HOST_PLAN_MIN_CALLS``). The rows themselves, each with its reason and the
+results it rests on, are in ``selection_table``. ``backend_for_append`` picks the writer of
 ``mla.cache_append`` the same way, from ``APPEND_ORDER``.
 
 Accuracy is the user's choice: backends that compute with the query quantized to e4m3 (FlashMLA's dense
@@ -29,6 +30,8 @@ from mla_inductor import backends
 from mla_inductor._compat import environment_reader
 from mla_inductor.backends import Backend
 from mla_inductor.contract import DecodeProblem, check_decode_args
+# The policy's rows and the kinds of program they name, re-exported: ``selection.TABLE`` is what every caller reads.
+from mla_inductor.selection_table import CAPTURED_STEP, ONE_CALL_GRAPH, TABLE, UNCAPTURED, Row  # noqa: F401
 
 BACKEND_ENV = "MLA_INDUCTOR_BACKEND"
 FP8_QUERY_ENV = "MLA_INDUCTOR_FP8_QUERY"
@@ -57,21 +60,9 @@ class CallContext:
 
 
 # A host plan is paid once per graph (Inductor's pass hoists it); with fewer calls than this to share it, a
-# backend planning on the host goes behind the next one that plans on the device (or needs no plan).
-# Measured (docs/benchmarks.md section 2, H100, bf16, S=4096): FlashInfer FA3 per call in a 61-call CUDA-graph
-# step 24.6 us (B=1 H=128) / 23.0 us (H=16) vs FlashMLA 25.6 / 28.7 us; a one-call compiled step on FA3
-# 197.2 / 263.2 us, its host plan included. Sparse (bf16 cache, top-k 2048): one-call FA3 steps 770-1350 us
-# against 165-354 us for our Triton kernel alone (section 1).
+# backend planning on the host goes behind the next one that plans on the device or needs none
+# (docs/results.md#sm90-bf16-one-call-one-sequence).
 HOST_PLAN_MIN_CALLS = 2
-
-# The kinds of program a Row may be limited to (``graph_kind``): a whole step captured in CUDA graphs (at least
-# HOST_PLAN_MIN_CALLS calls share a plan: a kernel's own device time decides, not its host cost); a one-call
-# graph (fewer share it: a layer compiled alone, an MTP draft layer; every kernel of the call and of its plan
-# runs once per graph call); eager calls and whole steps compiled without CUDA graphs (each call's host work
-# runs between the kernels: where a kernel is short, the backend with the least host work per call wins).
-CAPTURED_STEP = "whole steps in CUDA graphs"
-ONE_CALL_GRAPH = "one-call graphs"
-UNCAPTURED = "eager calls and steps without CUDA graphs"
 
 
 def graph_kind(context: Optional["CallContext"]) -> str:
@@ -84,153 +75,13 @@ def graph_kind(context: Optional["CallContext"]) -> str:
     return CAPTURED_STEP if context.captured else UNCAPTURED
 
 
-@dataclass(frozen=True)
-class Row:
-    """Preference order for one device class, cache format group and density; ``evidence`` says why."""
-
-    device: str  # a device_class() value
-    formats: tuple[str, ...]
-    sparse: bool
-    order: tuple[str, ...]
-    evidence: str
-    max_batch: Optional[int] = None  # the row applies only to calls with a static batch size <= this
-    max_heads: Optional[int] = None  # ... with a static head count <= this
-    graph: Optional[str] = None  # ... only to calls in this kind of program (CAPTURED_STEP, ONE_CALL_GRAPH, UNCAPTURED)
-    captured: Optional[bool] = None  # ... only to compiled calls whose graph is (True) / is not (False) captured
-
-    def matches(self, device: str, problem: DecodeProblem, context: Optional["CallContext"] = None) -> bool:
-        return (self.device == device and problem.cache_format in self.formats and self.sparse == problem.sparse
-                and (self.max_batch is None or (problem.batch is not None and problem.batch <= self.max_batch))
-                and (self.max_heads is None or (problem.num_heads is not None and problem.num_heads <= self.max_heads))
-                and (self.graph is None or graph_kind(context) == self.graph)
-                and (self.captured is None or (context is not None and context.captured == self.captured)))
-
-    def applies_to(self) -> str:
-        """The calls the row is limited to, in words (docs/backends.md)."""
-        limits = [f"static B ≤ {self.max_batch}" if self.max_batch is not None else "",
-                  f"H ≤ {self.max_heads}" if self.max_heads is not None else "",
-                  self.graph or "",
-                  {None: "", True: "captured in CUDA graphs", False: "without CUDA graphs"}[self.captured]]
-        return ", ".join(limit for limit in limits if limit) or "any"
-
-
-BF16 = ("bf16", "fp16")
-FP8 = ("fp8_e4m3",)
-DS = ("fp8_ds_mla",)
-FP32 = ("fp32",)
-
-# The SM90 bf16/fp16 dense orders the rows below share.
-SM90_TRITON_FIRST = ("triton", "flashmla", "flashinfer_fa3", "flashinfer_fa2", "reference")
-SM90_FA3_FIRST = ("flashinfer_fa3", "flashmla", "triton", "flashinfer_fa2", "reference")
-# The SM90 fp8_e4m3 dense order where our kernel (q in bf16) beats FlashMLA-fp8 (q in e4m3) for calls allowing both.
-SM90_FP8_TRITON_FIRST = ("triton", "flashmla", "flashinfer_fa3", "reference")
-
-# First matching row wins; each backend's supports() then filters (page size, heads, Q, ...), and the
-# reference closes every row so a call always runs. The measurements behind each row: docs/benchmarks.md.
-TABLE: tuple[Row, ...] = (
-    Row("cpu", BF16 + FP8 + DS + FP32, False, ("reference",), "plain Inductor code from the reference"),
-    Row("cpu", BF16 + FP8 + DS + FP32, True, ("reference",), "plain Inductor code from the reference"),
-    Row("sm90", BF16, False, ("triton", "flashinfer_fa3", "flashmla", "flashinfer_fa2", "reference"),
-        "One sequence in a whole step captured in CUDA graphs, any head count: our Triton kernel against "
-        "FlashInfer FA3 (the default here before), 61 calls back to back, us per call on an H200: H=16 9.9 vs "
-        "19.4, H=32 11.2 vs 19.5, H=64 14.8 vs 20.4, H=128 15.7 vs 20.1 (docs/benchmarks.md section 4, twentieth "
-        "run; on the H100, before the split rule and merge of 2026-11-28, H=16 14.4 vs 19.8 and a tie at H=128, "
-        "sixth run). Not eagerly or without CUDA graphs, where its two launches cost more host time than FA3's "
-        "whole call (H=128: 37.2 vs 30.8 us eager, 31.2 vs 21.9 compiled)",
-        max_batch=1, graph=CAPTURED_STEP),
-    Row("sm90", BF16, False, SM90_TRITON_FIRST,
-        "Up to 8 sequences of at most 64 heads (one program's head block) in a whole step captured in CUDA graphs: "
-        "our Triton kernel against FlashMLA (the general row), 61 calls back to back on an H200, us per call with "
-        "every sequence at S=4096 / with lengths drawn in [S/8, S]: B=8 H=16 19.6 vs 22.4 / 18.4 vs 19.8 (FA3 "
-        "23.3 / 20.2); B=2 H=16 11.4 vs 18.7 / 11.8 vs 19.3; B=4 H=16 14.3 vs 19.9 / 14.0 vs 17.0; B=4 H=32 16.8 vs "
-        "20.4 / 15.9 vs 17.9; B=8 H=32 22.2 vs 23.5 / 20.7 vs 20.8; B=4 H=64 21.4 vs 22.0 / 18.5 vs 19.7; B=8 H=64 "
-        "26.0 vs 26.4 / 23.2 vs 24.3 (docs/benchmarks.md section 4, twentieth and twenty-first runs). At 128 heads "
-        "FlashMLA stays: on varied lengths it led at B=4 and B=8 (21.7 and 27.0 us against Triton's 24.7 and 31.5)",
-        max_batch=8, max_heads=64, graph=CAPTURED_STEP),
-    Row("sm90", BF16, False, SM90_TRITON_FIRST,
-        "H100, one sequence, a graph of one call (a layer compiled alone, an MTP draft layer): our Triton kernel's "
-        "two launches (split-KV decode 12.8 us + merge 6.3 us of device time at H=128) against FlashMLA's "
-        "schedule, kernel and combine (11.5 + 11.9 + 11.2 us), profiled in one-call graphs; FlashInfer FA3 plans "
-        "on the host every graph call (docs/benchmarks.md section 4, eighth run)",
-        max_batch=1, graph=ONE_CALL_GRAPH),
-    Row("sm90", BF16, False, SM90_TRITON_FIRST,
-        "H100, up to 32 sequences, any head count, a graph of one call compiled without CUDA graphs: our Triton "
-        "kernel (the Gluon kernel) 104.8 us at B=32 H=128 and 112.9 at B=16, against FlashMLA's 147.7-225.9 and "
-        "213.9-237.1 us (its schedule, kernel and combine launched from the host every graph call) and "
-        "sgl-flash-mla's direct call 84.1 / 52.0 us (S=4096; docs/benchmarks.md section 4, seventeenth run)",
-        max_batch=32, graph=ONE_CALL_GRAPH, captured=False),
-    Row("sm90", BF16, False, SM90_TRITON_FIRST,
-        "H100, up to 32 sequences, few heads, a graph of one call: our Triton kernel 74.9 us with CUDA graphs and "
-        "82.7 without, against FlashMLA's 98.9 / 231.7 us (its schedule and combine run every graph call) and "
-        "sgl-flash-mla's direct call 71.3 us (B=32, H=16, S=4096; docs/benchmarks.md section 4, tenth run). "
-        "At H=128 with CUDA graphs FlashMLA stays: 100.5-101.8 us against the Gluon kernel's 104.7 at B=32, "
-        "68.3-95.5 against 100.2 at B=16 (seventeenth run)",
-        max_batch=32, max_heads=16, graph=ONE_CALL_GRAPH),
-    Row("sm90", BF16, False, SM90_FA3_FIRST,
-        "H100, up to 16 sequences, eager or compiled without CUDA graphs: the step is host-bound, and our call "
-        "into FlashInfer FA3 (its kernel call repeated without the wrapper's Python) costs about 40 us of host "
-        "time against about 80 us into FlashMLA. Per call, FA3 / FlashMLA eager and compiled: B=8 H=16 "
-        "40.8 / 78.5 and 38.7 / 72.3 us, B=16 H=128 50.4 / 95.0 and 50.3 / 72.1 us (61 calls back to back, "
-        "S=4096; docs/benchmarks.md section 4, eleventh run). With CUDA graphs FlashMLA stays ahead (B=16 H=128 "
-        "47.4 vs 49.8 us)",
-        max_batch=16, graph=UNCAPTURED),
-    Row("sm90", BF16, False, SM90_FA3_FIRST,
-        "H100, up to 32 sequences, few heads, eager or compiled without CUDA graphs: as for B <= 16; at B=32 "
-        "H=16 FA3 63.8 / 63.8 us eager / compiled against FlashMLA's 80.5 / 80.5 and sgl-flash-mla's direct call "
-        "61.5 (eleventh run). At H=128 FlashMLA's kernel is long enough to hide its host work (compiled 80.7 vs "
-        "84.6 us)",
-        max_batch=32, max_heads=16, graph=UNCAPTURED),
-    Row("sm90", BF16, False, ("flashmla", "flashinfer_fa3", "triton", "flashinfer_fa2", "reference"),
-        "H100, compiled, per call in a 61-call CUDA-graph step (docs/benchmarks.md section 2): FlashMLA wins on "
-        "variable lengths (H=16: 139 vs FA3's 163 us at B=128, 74.6 vs 86.7 at B=64; section 4, eleventh run) and "
-        "is within 5% of FlashInfer FA3 on uniform ones (B=128 H=16: 214.4 vs 211.5 us); it schedules on the "
-        "device, where FA3 plans on the host every step. FA3 takes page sizes other than 64"),
-    # Calls that allowed an e4m3 query: where our Triton kernel (q kept in bf16, so also the more accurate) is
-    # faster than FlashMLA-fp8 with its query quantized in the call, it goes first.
-    Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
-        "H100, one sequence, a call that allowed an e4m3 query: our Triton kernel (q in bf16) ahead of FlashMLA-fp8 "
-        "in every program shape, us per call (61 calls back to back) eager / compiled / CUDA graphs: H=128 "
-        "36.1 / 28.6 / 18.6 against 163.8 / 126.4 / 23.0, H=16 33.9 / 32.3 / 9.9 against 149.1 / 138.5 / 20.4; "
-        "one-call graphs at H=128 23.7 / 22.5 against 226.7 / 40.6 (docs/benchmarks.md section 4, twenty-third "
-        "run)",
-        max_batch=1),
-    Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
-        "H100, up to 32 sequences, eager or compiled without CUDA graphs, a call that allowed an e4m3 query: "
-        "FlashMLA-fp8's call is host-bound there (126-164 us per call at B=1 against 20-23 with CUDA graphs); "
-        "our Triton kernel B=32 H=128 100.0 / 99.8 us eager / compiled against 150.5 / 125.7, H=16 "
-        "53.4 / 53.2 against 145.1 / 129.0 (twenty-third run). With CUDA graphs FlashMLA-fp8 stays (83.1 against "
-        "96.7 at H=128, 48.1 against 50.3 at H=16)",
-        max_batch=32, graph=UNCAPTURED),
-    Row("sm90", FP8, False, SM90_FP8_TRITON_FIRST,
-        "H100, up to 32 sequences, a graph of one call, a call that allowed an e4m3 query: our Triton kernel "
-        "102.8 / 101.8 us without / with CUDA graphs at B=32 H=128 against FlashMLA-fp8's 224.8 / 104.4 "
-        "(twenty-third run)",
-        max_batch=32, graph=ONE_CALL_GRAPH),
-    Row("sm90", FP8, False, ("flashmla", "triton", "flashinfer_fa3", "reference"),
-        "H100, compiled per call: FlashMLA-fp8 fastest, but it computes with q in e4m3 (one scale per tensor), "
-        "so it takes only calls that opted in (a static q_scale, or allow_fp8_query; errors in docs/backends.md); "
-        "otherwise our Triton fp8 kernel, which keeps q in bf16 and was ahead of FlashInfer FA3 with an fp8 "
-        "cache (docs/benchmarks.md sections 1 and 2)"),
-    Row("sm90", DS, False, ("flashmla", "triton", "reference"),
-        "FlashMLA's sparse kernel given every visible position as an index reads the 656-byte layout directly "
-        "(H 64 or 128 only; other head counts go to our Triton kernel); bench_pass's fp8_ds_mla dense rows "
-        "compare the two (docs/benchmarks.md)"),
-    Row("sm90", BF16, True, ("flashinfer_fa3", "triton", "reference"),
-        "H100 sparse top-k on a bf16 cache: FlashInfer FA3 with page_size 1 (vLLM's SM90 recipe), "
-        "docs/benchmarks.md section 2"),
-    Row("sm90", DS, True, ("flashmla", "triton", "reference"),
-        "FlashMLA sparse decode reads the 656-byte layout directly, 43% fewer bytes than bf16 "
-        "(docs/benchmarks.md section 2)"),
-    Row("sm100", BF16 + FP8, False, ("flashinfer_trtllm", "flashinfer_fa2", "triton", "reference"),
-        "Blackwell datacenter: trtllm-gen MLA is FlashInfer's and vLLM's default on SM100 (untested on SM100)"),
-    Row("sm100", BF16 + FP8, True, ("flashinfer_trtllm", "triton", "reference"),
-        "trtllm-gen sparse top-k (vLLM's SM100 sparse path; untested on SM100)"),
-    Row("sm100", DS, True, ("flashmla", "triton", "reference"), "FlashMLA sparse decode supports SM100"),
-    Row("sm120", BF16, False, ("flashinfer_fa2", "triton", "reference"), "consumer Blackwell: FA2 for bf16 (seed)"),
-    Row("sm120", FP8, False, ("triton", "flashinfer_xqa", "reference"),
-        "consumer Blackwell: Triton for fp8 (seed); XQA MLA (H=128, Q=1) as the fallback"),
-    Row("sm80", BF16, False, ("flashinfer_fa2", "triton", "reference"), "Ampere/Ada: FA2 is the CUDA MLA kernel"),
-)
+def row_matches(row: Row, device: str, problem: DecodeProblem, context: Optional["CallContext"] = None) -> bool:
+    """Whether ``row`` applies to ``problem`` on a device of class ``device`` (``context``: a compiled call's)."""
+    return (row.device == device and problem.cache_format in row.formats and row.sparse == problem.sparse
+            and (row.max_batch is None or (problem.batch is not None and problem.batch <= row.max_batch))
+            and (row.max_heads is None or (problem.num_heads is not None and problem.num_heads <= row.max_heads))
+            and (row.graph is None or graph_kind(context) == row.graph)
+            and (row.captured is None or (context is not None and context.captured == row.captured)))
 
 
 def batch_limits() -> tuple[int, ...]:
@@ -247,15 +98,21 @@ def device_class(device_type: str, capability: Optional[tuple[int, int]]) -> str
     return {8: "sm80", 9: "sm90", 10: "sm100", 12: "sm120"}.get(major, "cuda")
 
 
+def table_row(problem: DecodeProblem, capability: Optional[tuple[int, int]],
+              context: Optional[CallContext] = None) -> Optional[Row]:
+    """The first TABLE row matching this device and problem (``context``: a compiled call's, None for an eager
+    one), or None where no row does."""
+    device = device_class(problem.device_type, capability)
+    return next((row for row in TABLE if row_matches(row, device, problem, context)), None)
+
+
 def table_order(problem: DecodeProblem, capability: Optional[tuple[int, int]],
                 context: Optional[CallContext] = None) -> list[str]:
-    """Backends to try, best first, for this device and problem (the first matching TABLE row; ``context``: a
-    compiled call's, None for an eager one)."""
-    device = device_class(problem.device_type, capability)
-    for row in TABLE:
-        if row.matches(device, problem, context):
-            return list(row.order)
-    return ["triton", "reference"] if device != "cpu" else ["reference"]
+    """Backends to try, best first, for this device and problem (the first matching TABLE row's order)."""
+    row = table_row(problem, capability, context)
+    if row is not None:
+        return list(row.order)
+    return ["triton", "reference"] if device_class(problem.device_type, capability) != "cpu" else ["reference"]
 
 
 def user_preference() -> Optional[tuple[str, ...]]:

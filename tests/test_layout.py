@@ -141,7 +141,7 @@ def test_a_backend_object_can_be_registered_and_ranked_by_a_table_row(monkeypatc
         name = "counting"
 
     monkeypatch.setattr(selection, "TABLE", (selection.Row("cpu", ("fp32",), False, ("counting", "reference"),
-                                                            "test row"),) + selection.TABLE)
+                                                            "test row", "cpu-path"),) + selection.TABLE)
     backends.register_backend("counting", Counting())
     try:
         x = make_decode_inputs([3], num_heads=2, kv_lora_rank=32, rope_dim=16, page_size=4, q_dtype=torch.float32,

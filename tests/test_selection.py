@@ -1,4 +1,5 @@
-"""select_backend: the table, user control, and docs/backends.md generated from it."""
+"""select_backend: the table's picks, user control, and docs/backends.md generated from it. The measurements
+behind the rows are checked against them by benchmarks/check_table.py (tests/test_results_page.py)."""
 
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def test_every_cell_selects_a_backend():
 
 @pytest.mark.parametrize("batch,want", [(1, "triton"), (2, "flashmla"), (None, "flashmla")])
 def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
-    """Only a static B=1 takes the single-sequence row in a whole step captured in CUDA graphs (at any head count
-    since the twentieth run of docs/benchmarks.md section 4); a symbolic batch (mark_unbacked) cannot."""
+    """Only a static B=1 takes the single-sequence row in a whole step captured in CUDA graphs, at any head count;
+    a symbolic batch (mark_unbacked) cannot."""
     problem = example_problem("cuda", "bf16", False, 128, 64, batch=batch)
     captured_step = CallContext(61, captured=True)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=captured_step).backend == want
@@ -64,8 +65,8 @@ def test_sm90_bf16_one_sequence_in_a_captured_step_goes_to_triton(batch, want):
     (None, None, "flashmla"),                             # a symbolic batch (mark_unbacked): the general row
 ])
 def test_sm90_fp8_calls_allowing_an_e4m3_query_go_where_they_are_fastest(heads, batch, context, want):
-    """An fp8_e4m3 call that allowed an e4m3 query may run on FlashMLA-fp8, and goes there only where that is
-    faster than our Triton kernel keeping q in bf16 (docs/benchmarks.md section 4, twenty-third run)."""
+    """An fp8_e4m3 call that allowed an e4m3 query may run on FlashMLA-fp8, and goes there only where the table
+    ranks it ahead of our Triton kernel keeping q in bf16 (docs/results.md#sm90-fp8-one-sequence and the rows after)."""
     fp8 = example_problem("cuda", "fp8_e4m3", False, heads, 64, batch=batch, fp8_query=True)
     assert select_backend(fp8, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
@@ -74,9 +75,9 @@ def test_sm90_fp8_calls_allowing_an_e4m3_query_go_where_they_are_fastest(heads, 
     (16, 1, CallContext(61, captured=True), "triton"),          # a whole step in CUDA graphs: device time decides
     (16, 1, CallContext(61, captured=False), "flashinfer_fa3"),  # compiled without graphs: Triton's launches cost
     (16, 1, None, "flashinfer_fa3"),                            # eager
-    (128, 1, CallContext(61, captured=True), "triton"),          # any H (twentieth run: 15.7 vs FA3's 20.1 us)
-    (16, 2, CallContext(61, captured=True), "triton"),           # up to 8 sequences of <= 64 heads (twentieth and
-    (16, 8, CallContext(61, captured=True), "triton"),           # twenty-first runs)
+    (128, 1, CallContext(61, captured=True), "triton"),          # any H
+    (16, 2, CallContext(61, captured=True), "triton"),           # up to 8 sequences of <= 64 heads
+    (16, 8, CallContext(61, captured=True), "triton"),
     (32, 4, CallContext(61, captured=True), "triton"),
     (64, 8, CallContext(61, captured=True), "triton"),
     (16, 9, CallContext(61, captured=True), "flashmla"),
@@ -90,18 +91,18 @@ def test_sm90_fp8_calls_allowing_an_e4m3_query_go_where_they_are_fastest(heads, 
     (128, 1, CallContext(1, captured=False), "triton"),
     (128, 2, CallContext(1, captured=True), "flashmla"),        # B >= 2: the general row, FA3's host plan moved
     (128, 1, CallContext(2, captured=False), "flashinfer_fa3"),  # two calls share the plan: not a one-call graph
-    # One-call graphs of up to 32 sequences: Triton at H <= 16 (tenth run), and at any H without CUDA graphs;
+    # One-call graphs of up to 32 sequences: Triton at H <= 16, and at any H without CUDA graphs;
     # more sequences, or more heads with CUDA graphs: FlashMLA.
     (16, 32, CallContext(1, captured=True), "triton"),
     (16, 32, CallContext(1, captured=False), "triton"),
     (16, 33, CallContext(1, captured=True), "flashmla"),
     (128, 32, CallContext(1, captured=True), "flashmla"),
-    (128, 32, CallContext(1, captured=False), "triton"),        # without CUDA graphs, any H (seventeenth run)
+    (128, 32, CallContext(1, captured=False), "triton"),        # without CUDA graphs, any H
     (128, 33, CallContext(1, captured=False), "flashmla"),
     (16, 32, CallContext(61, captured=True), "flashmla"),       # a whole step: FlashMLA's schedule is shared
     (16, None, CallContext(1, captured=True), "flashmla"),      # a symbolic batch takes no row limited by B
     # Eager calls and whole steps without CUDA graphs (host-bound at small B): FA3 up to B=16 at any H and up to
-    # B=32 at H <= 16 (eleventh run); beyond, and with CUDA graphs, FlashMLA.
+    # B=32 at H <= 16; beyond, and with CUDA graphs, FlashMLA.
     (128, 16, None, "flashinfer_fa3"),
     (128, 16, CallContext(61, captured=False), "flashinfer_fa3"),
     (128, 17, None, "flashmla"),
@@ -117,10 +118,9 @@ def test_sm90_fp8_calls_allowing_an_e4m3_query_go_where_they_are_fastest(heads, 
     (128, 8, EAGER_CAPTURE, "flashmla"),
 ])
 def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
-    """The rows limited to a kind of program (captured whole steps at B=1: docs/benchmarks.md section 4, sixth
-    run at H <= 16, twentieth at any H, and at B <= 8 H <= 64: twentieth and twenty-first runs; one-call graphs at
-    B=1 any H: eighth run; at B <= 32 H <= 16: tenth run; eager calls and steps without CUDA graphs at B <= 16, and
-    B <= 32 H <= 16: eleventh run) apply to exactly those calls."""
+    """The rows limited to a kind of program (captured whole steps at B=1 and at B <= 8 H <= 64; one-call graphs
+    at B=1, and at B <= 32 H <= 16 or without CUDA graphs; eager calls and steps without CUDA graphs at B <= 16,
+    and B <= 32 H <= 16) apply to exactly those calls."""
     problem = example_problem("cuda", "bf16", False, heads, 64, batch=batch)
     assert select_backend(problem, SM90, available=EVERYTHING, preference=(), context=context).backend == want
 
@@ -134,7 +134,7 @@ def test_sm90_bf16_one_sequence_rows_by_graph_kind(heads, batch, context, want):
     ("fp8_ds_mla", True, EVERYTHING, "flashmla"),
     ("bf16", False, {"reference": None}, "reference"),
 ])
-def test_sm90_choices_follow_the_h100_measurements(fmt, sparse, available, want):
+def test_sm90_choices_by_format_and_availability(fmt, sparse, available, want):
     problem = example_problem("cuda", fmt, sparse, 128, 64)
     assert select_backend(problem, SM90, available=available, preference=()).backend == want
 
@@ -251,96 +251,3 @@ def test_backend_for_call_follows_a_preference_on_cpu():
     x = make_decode_inputs([5, 9], num_heads=2, kv_lora_rank=256, rope_dim=32, page_size=4)
     with mla_inductor.prefer_backends("triton"):
         assert mla_inductor.backend_for_call(*x.args()).backend == "triton"
-
-
-MODES_LOGS = Path(__file__).resolve().parent.parent / "docs" / "data" / "modes-h200-2026-11-28"
-
-
-def _bench_modes_table(name: str, logs: Path = MODES_LOGS, part: str = "a") -> dict:
-    """{case label: {column: cell}} of part ``part``'s table in a committed ``bench_modes.py`` output."""
-    text = (logs / name).read_text().split(f"\n## {part}. ", 1)[1].split("\n## ", 1)[0]
-    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[1:]]
-    return {row["case"]: row for row in rows}
-
-
-def _graphs_us(rows: dict, case: str) -> float:
-    return float(rows[case]["cudagraphs_us"])
-
-
-def test_the_captured_step_rows_follow_the_committed_measurements():
-    # docs/benchmarks.md section 4, twentieth run (H200, 61 calls, CUDA graphs): the figures the two captured-step
-    # rows quote, and the choices they make, read from the commands' own outputs.
-    one = _bench_modes_table("part-a-1.md")
-    for H in (16, 32, 64, 128):
-        triton_us = _graphs_us(one, f"B=1 H={H} bf16, triton preferred")
-        assert triton_us < _graphs_us(one, f"B=1 H={H} bf16, flashinfer_fa3 preferred") * 0.8, H
-    assert _graphs_us(one, "B=1 H=128 bf16, triton preferred") == 15.73
-    assert _graphs_us(one, "B=1 H=128 bf16") == 20.06
-    assert one["B=1 H=128 bf16"]["cudagraphs_backend"] == "flashinfer_fa3"
-    after = _bench_modes_table("part-a-3.md")
-    assert after["B=1 H=128 bf16"]["cudagraphs_backend"] == "triton" and _graphs_us(after, "B=1 H=128 bf16") == 15.71
-    # Up to 8 sequences of 16 heads: Triton ahead of FlashMLA (the default then) on equal and on varied lengths.
-    varied = _bench_modes_table("part-a-4.md")
-    assert (_graphs_us(after, "B=8 H=16 bf16, triton preferred"), _graphs_us(after, "B=8 H=16 bf16")) == (19.56, 22.41)
-    assert _graphs_us(varied, "B=8 H=16 bf16 varlen, triton preferred") < _graphs_us(varied, "B=8 H=16 bf16 varlen")
-    # Twenty-first run, measured while that row stopped at 16 heads: B=2 and B=4 at 16 heads (Triton the default)
-    # against FlashMLA preferred; B=4 and B=8 at 32 and 64 heads (FlashMLA the default) against Triton preferred.
-    # Triton ahead in all of them, equal lengths and varied. B=2 H=16 on equal lengths: part-a-5.log's rows (its time
-    # limit stopped it before the table).
-    logged = {ln.split(", best_peer=")[0]: dict(kv.split("=", 1) for kv in ln.split(", ")[1:] if "=" in kv)
-              for ln in (MODES_LOGS / "part-a-5.log").read_text().splitlines() if ln.startswith("  [a] case=")}
-    two = logged["  [a] case=B=2 H=16 bf16"], logged["  [a] case=B=2 H=16 bf16, flashmla preferred"]
-    assert (two[0]["cudagraphs_backend"], two[0]["cudagraphs_us"], two[1]["cudagraphs_us"]) == ("triton", "11.4", "18.7")
-    quoted = {("part-a-6.md", "B=2 H=16 bf16 varlen"): (11.77, 19.31),
-              ("part-a-6.md", "B=4 H=16 bf16 varlen"): (13.97, 17.01), ("part-a-7.md", "B=4 H=16 bf16"): (14.32, 19.93)}
-    for (log, case), figures in quoted.items():
-        rows = _bench_modes_table(log)
-        assert rows[case]["cudagraphs_backend"] == "triton"
-        assert (_graphs_us(rows, case), _graphs_us(rows, f"{case}, flashmla preferred")) == figures, case
-    quoted = {"B=4 H=32 bf16": (16.80, 20.44), "B=8 H=32 bf16": (22.21, 23.52), "B=4 H=64 bf16": (21.43, 22.04),
-              "B=8 H=64 bf16": (25.98, 26.42), "B=4 H=32 bf16 varlen": (15.94, 17.85),
-              "B=8 H=32 bf16 varlen": (20.65, 20.80), "B=4 H=64 bf16 varlen": (18.49, 19.70),
-              "B=8 H=64 bf16 varlen": (23.23, 24.32)}
-    for case, figures in quoted.items():
-        rows = _bench_modes_table("part-a-9.md" if case.endswith("varlen") else "part-a-8.md")
-        assert rows[case]["cudagraphs_backend"] == "flashmla"
-        assert (_graphs_us(rows, f"{case}, triton preferred"), _graphs_us(rows, case)) == figures, case
-    # 128 heads: FA3 ahead on equal lengths only; on varied ones FlashMLA (the general row) ahead of both.
-    for B in (4, 8):
-        assert _graphs_us(after, f"B={B} H=128 bf16, flashinfer_fa3 preferred") < _graphs_us(after, f"B={B} H=128 bf16")
-        default = _graphs_us(varied, f"B={B} H=128 bf16 varlen")
-        assert varied[f"B={B} H=128 bf16 varlen"]["cudagraphs_backend"] == "flashmla"
-        assert default < min(_graphs_us(varied, f"B={B} H=128 bf16 varlen, {b} preferred")
-                             for b in ("triton", "flashinfer_fa3")), B
-
-
-H100_MODES_LOGS = Path(__file__).resolve().parent.parent / "docs" / "data" / "modes-h100-2026-12-07"
-
-
-def test_the_fp8_query_rows_follow_the_committed_measurements():
-    # docs/benchmarks.md section 4, twenty-third run (H100, before the rows): with an e4m3 query allowed the calls
-    # went to FlashMLA-fp8; the same cases with q in bf16 (our Triton kernel) were faster wherever the rows now
-    # send them, and slower in whole steps captured in CUDA graphs of 32 or more sequences, and at 128.
-    a = _bench_modes_table("part-ab-1.md", H100_MODES_LOGS)
-    b = _bench_modes_table("part-ab-1.md", H100_MODES_LOGS, part="b")
-    modes = ("eager", "compiled", "cudagraphs")
-    for B, H in ((1, 128), (1, 16), (32, 128), (32, 16), (128, 128), (128, 16)):
-        ours, opted = a[f"B={B} H={H} fp8_e4m3, bf16 q"], a[f"B={B} H={H} fp8_e4m3, e4m3 q (allow_fp8_query)"]
-        assert {opted[f"{m}_backend"] for m in modes} == {"flashmla"} and ours["eager_backend"] == "triton"
-        faster = {m: float(ours[f"{m}_us"]) < float(opted[f"{m}_us"]) for m in modes}
-        if B == 1:
-            assert all(faster.values()), (B, H)
-        elif B == 32:
-            assert faster == {"eager": True, "compiled": True, "cudagraphs": False}, (B, H)
-        elif H == 128:
-            assert not any(faster.values()), (B, H)
-    for B in (1, 32):  # one-call graphs, H=128
-        ours, opted = b[f"B={B} H=128 fp8_e4m3, bf16 q"], b[f"B={B} H=128 fp8_e4m3, e4m3 q (allow_fp8_query)"]
-        assert all(float(ours[f"{m}_us"]) < float(opted[f"{m}_us"]) for m in ("compiled", "cudagraphs")), B
-    quoted = {("B=1 H=128", "bf16 q"): (36.07, 28.62, 18.58), ("B=1 H=128", "e4m3 q (allow_fp8_query)"):
-              (163.75, 126.41, 23.03), ("B=32 H=128", "bf16 q"): (99.98, 99.81, 96.69),
-              ("B=32 H=128", "e4m3 q (allow_fp8_query)"): (150.45, 125.73, 83.10)}
-    for (case, q), figures in quoted.items():
-        assert tuple(float(a[f"{case} fp8_e4m3, {q}"][f"{m}_us"]) for m in modes) == figures, (case, q)

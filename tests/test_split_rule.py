@@ -1,12 +1,12 @@
-"""benchmarks/split_rule.py on the committed H200 logs: the figures docs/benchmarks.md (section 1, tenth run) and
-decode.PARTIAL_BYTES_PER_TILE's comment quote, recomputed from the logs by today's rule."""
+"""benchmarks/split_rule.py on the committed H200 logs of `bench_kernels.py --splits` (tests/data/split_logs_h200,
+commands in its README): the picks and figures decode.PARTIAL_BYTES_PER_TILE was chosen by, recomputed by today's rule."""
 
 import os
 
 import pytest
 from benchmark_modules import load_benchmark
 
-LOGS = os.path.join(os.path.dirname(__file__), "..", "docs", "data", "splits-h200-2026-11-28")
+LOGS = os.path.join(os.path.dirname(__file__), "data", "split_logs_h200")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_the_rule_against_the_shapes_checked_afterwards(rule, capsys):
 
 
 def test_the_merge_before_and_after_every_split_in_one_step(rule, capsys):
-    # docs/benchmarks.md section 1, eleventh run: the same --splits command on the build before (16 splits a step)
+    # The logs' README: the same --splits command on the build before (16 splits a step)
     # and twice on the build after (every split in one step below 512 (row, head) pairs).
     names = ("merge-before", "merge-after-1", "merge-after-2")
     rule.main(["--compare"] + [os.path.join(LOGS, f"{n}.md") for n in names])
@@ -78,7 +78,7 @@ def test_the_rule_on_sparse_calls(rule, capsys):
 
 
 def test_the_merge_tiles_against_the_sweep(rule, capsys):
-    # docs/benchmarks.md section 1, eleventh run: merge_tile's pick against the fastest tile of bench_kernels.py
+    # The logs' README: merge_tile's pick against the fastest tile of bench_kernels.py
     # --merge-tiles at each shape (the sweep the rule was chosen on): the fastest or within 2% at 8 of 10,
     # 1.07x and 1.12x at 256 pairs.
     rule.main(["--merge", os.path.join(LOGS, "merge-tiles-1.md")])
@@ -89,7 +89,7 @@ def test_the_merge_tiles_against_the_sweep(rule, capsys):
 
 
 def test_the_merge_column_blocks_before_and_after(rule, capsys):
-    # docs/benchmarks.md section 1, eleventh run, second table: --splits=32 on the one-step merge with 128-column
+    # merge-tiles-2.md: --splits=32 on the one-step merge with 128-column
     # blocks, then with blocks by program count.
     rule.main(["--compare", os.path.join(LOGS, "tiles-before.md"), os.path.join(LOGS, "tiles-after.md")])
     out = [ln for ln in capsys.readouterr().out.splitlines() if " default:" in ln]
@@ -103,7 +103,7 @@ def test_the_merge_column_blocks_before_and_after(rule, capsys):
 
 
 def test_bf16_partials_were_slower(rule):
-    # docs/benchmarks.md section 1, eleventh run, run 6 (the option since removed): each bf16-partials row against
+    # run6.md (an option since removed): each bf16-partials row against
     # the fp32 row of the same shape, format and split count: slower in 30 of 32, equal in one, faster in one.
     rows = rule.read_rows(os.path.join(LOGS, "run6.md"))
     pairs = [(rows[label.replace(" partials=bf16", "")][0], us) for label, (us, _) in rows.items()
@@ -115,7 +115,7 @@ def test_bf16_partials_were_slower(rule):
 
 
 def test_the_rule_and_the_merge_tiles_on_the_final_build(rule, capsys):
-    # docs/benchmarks.md section 1, eleventh run, last paragraph: on the final merge the split rule picks within
+    # The logs' README: on the final merge the split rule picks within
     # 1.02x of the fastest count at all eight shapes of run 11 (the 128-split preference of run 9 at one sequence of
     # 16-32 heads is gone), and the complete --merge-tiles sweep (its nine default shapes) reads merge_tile as
     # merge-tiles-1 did: the fastest tile at six, 1.05x at 64 pairs x 128 splits, 1.10x and 1.12x at 256 pairs.
