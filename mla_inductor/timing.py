@@ -1,0 +1,246 @@
+"""Time backends the way a call will run (the GPU side of ``tuning``): ``time_backends``.
+
+Three program shapes (``tuning.ProgramShape.kind``, the kinds the selection table's rows are limited to):
+
+- a whole step captured in CUDA graphs: ``shape.calls`` calls sharing one plan (a plan made on the device runs
+  inside the graph once per step; one made on the host runs before, as Inductor leaves it outside the captured
+  partitions), each call on its own query and cache; device time per call of the graph's replays (CUDA events).
+- eager calls and steps without CUDA graphs: the same calls made through ``torch.ops.mla.paged_decode`` with the
+  backend preferred, each step's lengths marked written (so no plan of the previous step is reused); wall time
+  per call, host work included.
+- a graph of one call: plan and call for every step (captured: the call replayed from a CUDA graph, a host plan
+  before each replay); wall time per step.
+
+Lengths are a serving batch's (``shape.varied``: drawn in [seq_len / 8, seq_len], fixed seed) or all equal.
+Rounds alternate between the backends (a drift of the host's speed favours none); each backend's first round
+also compiles its kernels and is not kept.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from mla_inductor._compat import real_tensors
+from mla_inductor.backends import get_backend
+from mla_inductor.cache import encode_tokens, fp8_scale_for, register_host_lengths
+from mla_inductor.contract import DecodeProblem
+from mla_inductor.selection import CAPTURED_STEP, ONE_CALL_GRAPH, CallContext, prefer_backends
+
+TARGET_MS = 2.0  # each timed round repeats its step until about this long (bounded by MAX_REPEATS)
+MAX_REPEATS = 50
+
+
+def _inputs(problem: DecodeProblem, shape, device: torch.device, calls: int) -> dict:
+    """Random inputs of ``shape``'s batch: ``calls`` queries and caches sharing one block table and lengths."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, S, page = shape.batch, shape.seq_len, problem.page_size
+    L, R, H, per_seq = problem.kv_lora_rank, problem.rope_dim, problem.num_heads, problem.q_per_seq or 1
+    T = B * per_seq
+    pages = -(-S // page)
+    lens = (torch.randint(max(1, S // 8), S + 1, (B,), generator=g) if shape.varied
+            else torch.full((B,), S))
+    host_lens = lens.to(torch.int32)
+    seq_lens = host_lens.to(device)
+    block_table = torch.randperm(B * pages, generator=g).to(torch.int32).view(B, pages).to(device)
+    caches, queries = [], []
+    values = torch.randn(B * pages, page, L + R, generator=g).to(device)
+    kv_scale = (fp8_scale_for(values) if problem.cache_format == "fp8_e4m3"
+                else torch.ones(1, device=device))
+    base = encode_tokens(values, problem.cache_format, kv_scale)
+    for i in range(calls):
+        caches.append(base if i == 0 else base.clone())  # each call reads its own cache, as each layer does
+        q = (torch.randn(T, H, L + R, generator=g) * 0.5).to(device=device, dtype=problem.q_dtype)
+        queries.append((q[..., :L], q[..., L:]))
+    sparse = None
+    if problem.sparse:
+        seq = torch.arange(T) // per_seq
+        offsets = (torch.rand(T, problem.topk, generator=g) * lens[seq, None]).long()
+        rows = block_table.cpu()[seq[:, None], offsets // page].long()
+        sparse = (rows * page + offsets % page).to(torch.int32).to(device)
+    return {"queries": queries, "caches": caches, "block_table": block_table, "seq_lens": seq_lens,
+            "host_lens": host_lens, "kv_scale": kv_scale, "sparse": sparse, "scale": (L + R) ** -0.5}
+
+
+def _new_step(x: dict) -> None:
+    """Leave the lengths as a decode step's bookkeeping does: written (no plan of the last step is reused),
+    their host copy registered."""
+    torch.autograd.graph.increment_version(x["seq_lens"])
+    register_host_lengths(x["seq_lens"], x["host_lens"])
+
+
+def _args(x: dict, i: int) -> tuple:
+    q_nope, q_pe = x["queries"][i]
+    return (q_nope, q_pe, x["caches"][i], x["block_table"], x["seq_lens"], x["scale"], x["kv_scale"], x["sparse"])
+
+
+def _op_call(name: str, problem: DecodeProblem, shape, x: dict) -> tuple[Optional[Callable], Callable]:
+    """(plan, run) of one step with the backend's compiled ops: ``plan()`` returns the plan, ``run(plan, i)``
+    makes call i with it. Backends without an op run their eager ``decode``."""
+    backend = get_backend(name)
+    context = CallContext(shape.calls, shape.captured)
+    op, plan_op = backend.compiled_op_for(context), backend.plan_op()
+    quantized = backend.quantized_query_op(problem)
+    if quantized is not None:
+        from mla_inductor.backends._common import quantize_query_reference
+
+        q8 = [quantize_query_reference(torch.cat(q, dim=-1)) for q in x["queries"]]
+        latent = problem.kv_lora_rank
+
+        def plan():
+            if plan_op is None:
+                return []
+            q, _ = q8[0]
+            return plan_op(q[..., :latent], q[..., latent:], *_args(x, 0)[2:])
+
+        def run(p, i):
+            q, descale = q8[i]
+            return quantized(q, descale, *_args(x, i)[2:], p, problem.q_dtype)
+
+        return plan, run
+    if op is None:
+        return None, lambda p, i: backend.decode(*_args(x, i))
+    return ((lambda: plan_op(*_args(x, 0))) if plan_op is not None else None), (lambda p, i: op(*_args(x, i), p))
+
+
+def _captured_step(name: str, problem: DecodeProblem, shape, x: dict) -> Callable[[], float]:
+    """A round of a captured step: microseconds of device time per call."""
+    plan, run = _op_call(name, problem, shape, x)
+    on_host = getattr(get_backend(name), "plans_on_host", False)
+    held = plan() if plan is not None and on_host else None
+
+    def step():
+        p = held if on_host else (plan() if plan is not None else [])
+        for i in range(shape.calls):
+            run(p or [], i)
+
+    _new_step(x)
+    step()  # compiles the kernels, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # a warm-up on a side stream, as torch.cuda.graphs recommends before capturing
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    repeats = _repeats(lambda: graph.replay())
+
+    def one_round() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1000 / (repeats * shape.calls)
+
+    return one_round
+
+
+def _uncaptured_step(name: str, problem: DecodeProblem, shape, x: dict) -> Callable[[], float]:
+    """A round of eager calls (or a step compiled without CUDA graphs): wall microseconds per call."""
+    def step():
+        _new_step(x)
+        for i in range(shape.calls):
+            torch.ops.mla.paged_decode_with_lse(*_args(x, i))
+
+    with prefer_backends(name):
+        step()
+        torch.cuda.synchronize()
+        repeats = _repeats(step)
+
+    def one_round() -> float:
+        with prefer_backends(name):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e6 / (repeats * shape.calls)
+
+    return one_round
+
+
+def _one_call_graph(name: str, problem: DecodeProblem, shape, x: dict) -> Callable[[], float]:
+    """A round of one-call graphs: wall microseconds per graph call, its plan included."""
+    plan, run = _op_call(name, problem, shape, x)
+    on_host = getattr(get_backend(name), "plans_on_host", False)
+    replay = None
+    if shape.captured:
+        held = plan() if plan is not None and on_host else None
+        _new_step(x)
+        run(held if on_host else (plan() if plan is not None else []), 0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(held if on_host else (plan() if plan is not None else []), 0)
+        replay = graph.replay
+
+    def step():
+        _new_step(x)
+        if replay is not None:
+            if plan is not None and on_host:
+                plan()  # the host plan runs outside the graph at every graph call
+            replay()
+        else:
+            run(plan() if plan is not None else [], 0)
+
+    step()
+    torch.cuda.synchronize()
+    repeats = _repeats(step)
+
+    def one_round() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e6 / repeats
+
+    return one_round
+
+
+def _repeats(step: Callable[[], object]) -> int:
+    """How many steps make a round of about TARGET_MS."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1000
+    return max(1, min(MAX_REPEATS, int(TARGET_MS / max(ms, 1e-3))))
+
+
+def time_backends(problem: DecodeProblem, shape, names: Sequence[str], device,
+                  rounds: Optional[int] = None) -> Mapping[str, object]:
+    """Each backend's microseconds per call in each of ``rounds`` rounds (``tuning.ROUNDS``) of ``shape``, or
+    why it could not run (a string)."""
+    from mla_inductor.tuning import ROUNDS
+
+    rounds = rounds or ROUNDS
+    device = torch.device(device)
+    how = {CAPTURED_STEP: _captured_step, ONE_CALL_GRAPH: _one_call_graph}.get(shape.kind, _uncaptured_step)
+    results: dict[str, object] = {}
+    with real_tensors(), torch.no_grad(), torch.cuda.device(device):  # real tensors under a compile
+        x = _inputs(problem, shape, device, shape.calls)
+        timed = {}
+        for name in names:
+            try:
+                timed[name] = how(name, problem, shape, x)
+                timed[name]()  # its first round, not kept
+                results[name] = []
+            except Exception as e:  # noqa: BLE001 - a backend that fails to run here is reported, not chosen
+                results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        for _ in range(rounds):
+            for name, one_round in timed.items():
+                if isinstance(results[name], list):
+                    try:
+                        results[name].append(one_round())
+                    except Exception as e:  # noqa: BLE001
+                        results[name] = f"{type(e).__name__}: {e}"[:300]
+    return results
