@@ -46,13 +46,15 @@ def _inputs(problem: DecodeProblem, shape, device: torch.device, calls: int) -> 
     seq_lens = host_lens.to(device)
     block_table = torch.randperm(B * pages, generator=g).to(torch.int32).view(B, pages).to(device)
     caches, queries = [], []
-    values = torch.randn(B * pages, page, L + R, generator=g).to(device)
+    on_device = torch.Generator(device=device).manual_seed(0)  # the large tensors are drawn where they live
+    values = torch.randn(B * pages, page, L + R, generator=on_device, device=device)
     kv_scale = (fp8_scale_for(values) if problem.cache_format == "fp8_e4m3"
                 else torch.ones(1, device=device))
     base = encode_tokens(values, problem.cache_format, kv_scale)
+    del values  # fp32: at a large batch, more memory than the caches
     for i in range(calls):
         caches.append(base if i == 0 else base.clone())  # each call reads its own cache, as each layer does
-        q = (torch.randn(T, H, L + R, generator=g) * 0.5).to(device=device, dtype=problem.q_dtype)
+        q = (torch.randn(T, H, L + R, generator=on_device, device=device) * 0.5).to(problem.q_dtype)
         queries.append((q[..., :L], q[..., L:]))
     sparse = None
     if problem.sparse:
@@ -76,60 +78,75 @@ def _args(x: dict, i: int) -> tuple:
     return (q_nope, q_pe, x["caches"][i], x["block_table"], x["seq_lens"], x["scale"], x["kv_scale"], x["sparse"])
 
 
-def _op_call(name: str, problem: DecodeProblem, shape, x: dict) -> tuple[Optional[Callable], Callable]:
-    """(plan, run) of one step with the backend's compiled ops: ``plan()`` returns the plan, ``run(plan, i)``
-    makes call i with it. Backends without an op run their eager ``decode``."""
+def _step_of(name: str, problem: DecodeProblem, shape, x: dict) -> tuple[Callable[[], object], Callable]:
+    """(host_plan, step) of one step made of the backend's compiled ops as the pass writes them: ``host_plan()``
+    makes the plan where the backend plans on the host (None elsewhere), ``step(held)`` makes the step's calls
+    given it: a plan made on the device first (or by the first call, where the decode makes it as a
+    by-product), none where one call would use it and the run schedules itself, then every call on it.
+    Backends without an op run their eager ``decode``."""
     backend = get_backend(name)
     context = CallContext(shape.calls, shape.captured)
     op, plan_op = backend.compiled_op_for(context), backend.plan_op()
+    if op is None:
+        def eager(held):
+            for i in range(shape.calls):
+                backend.decode(*_args(x, i))
+
+        return (lambda: None), eager
     quantized = backend.quantized_query_op(problem)
     if quantized is not None:
         from mla_inductor.backends._common import quantize_query_reference
 
         q8 = [quantize_query_reference(torch.cat(q, dim=-1)) for q in x["queries"]]
         latent = problem.kv_lora_rank
-
-        def plan():
-            if plan_op is None:
-                return []
-            q, _ = q8[0]
-            return plan_op(q[..., :latent], q[..., latent:], *_args(x, 0)[2:])
+        plan_args = (q8[0][0][..., :latent], q8[0][0][..., latent:], *_args(x, 0)[2:])
 
         def run(p, i):
             q, descale = q8[i]
             return quantized(q, descale, *_args(x, i)[2:], p, problem.q_dtype)
+    else:
+        plan_args = _args(x, 0)
 
-        return plan, run
-    if op is None:
-        return None, lambda p, i: backend.decode(*_args(x, i))
-    return ((lambda: plan_op(*_args(x, 0))) if plan_op is not None else None), (lambda p, i: op(*_args(x, i), p))
+        def run(p, i):
+            return op(*_args(x, i), p)
+    on_host = plan_op is not None and getattr(backend, "plans_on_host", False)
+    unplanned = plan_op is None or (shape.calls == 1 and getattr(backend, "plan_is_optional", False))
+    decode_and_plan = None if quantized is not None or unplanned else backend.decode_and_plan_op()
+
+    def step(held):
+        first = 0
+        if unplanned:
+            p = []
+        elif on_host:
+            p = held
+        elif decode_and_plan is not None:
+            p, first = list(decode_and_plan(*_args(x, 0))[2:]), 1
+        else:
+            p = plan_op(*plan_args)
+        for i in range(first, shape.calls):
+            run(p, i)
+
+    return (lambda: plan_op(*plan_args) if on_host and not unplanned else None), step
 
 
 def _captured_step(name: str, problem: DecodeProblem, shape, x: dict) -> Callable[[], float]:
     """A round of a captured step: microseconds of device time per call."""
-    plan, run = _op_call(name, problem, shape, x)
-    on_host = getattr(get_backend(name), "plans_on_host", False)
-    held = plan() if plan is not None and on_host else None
-
-    def step():
-        p = held if on_host else (plan() if plan is not None else [])
-        for i in range(shape.calls):
-            run(p or [], i)
-
+    host_plan, step = _step_of(name, problem, shape, x)
     _new_step(x)
-    step()  # compiles the kernels, outside the capture
+    held = host_plan()  # made once, outside the graph: Inductor leaves a host plan out of the captured partitions
+    step(held)  # compiles the kernels, outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # a warm-up on a side stream, as torch.cuda.graphs recommends before capturing
+        step(held)  # a warm-up on a side stream, as torch.cuda.graphs recommends before capturing
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        step()
+        step(held)
     graph.replay()
     torch.cuda.synchronize()
-    repeats = _repeats(lambda: graph.replay())
+    repeats = _repeats(graph.replay)
 
     def one_round() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -169,37 +186,34 @@ def _uncaptured_step(name: str, problem: DecodeProblem, shape, x: dict) -> Calla
 
 def _one_call_graph(name: str, problem: DecodeProblem, shape, x: dict) -> Callable[[], float]:
     """A round of one-call graphs: wall microseconds per graph call, its plan included."""
-    plan, run = _op_call(name, problem, shape, x)
-    on_host = getattr(get_backend(name), "plans_on_host", False)
-    replay = None
+    host_plan, step = _step_of(name, problem, shape, x)
+    _new_step(x)
+    held = host_plan()
+    step(held)
+    torch.cuda.synchronize()
     if shape.captured:
-        held = plan() if plan is not None and on_host else None
-        _new_step(x)
-        run(held if on_host else (plan() if plan is not None else []), 0)
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run(held if on_host else (plan() if plan is not None else []), 0)
-        replay = graph.replay
+            step(held)
 
-    def step():
-        _new_step(x)
-        if replay is not None:
-            if plan is not None and on_host:
-                plan()  # the host plan runs outside the graph at every graph call
-            replay()
-        else:
-            run(plan() if plan is not None else [], 0)
+        def call():
+            _new_step(x)
+            host_plan()  # a host plan runs outside the graph at every graph call
+            graph.replay()
+    else:
+        def call():
+            _new_step(x)
+            step(host_plan())
 
-    step()
+    call()
     torch.cuda.synchronize()
-    repeats = _repeats(step)
+    repeats = _repeats(call)
 
     def one_round() -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            step()
+            call()
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e6 / repeats
 

@@ -259,3 +259,88 @@ def test_the_tune_command_on_cpu_says_it_needs_a_gpu(gpu_env):
                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 2, out.stderr
     assert "tuning needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- the timed program shapes (timing.py)
+
+@pytest.fixture
+def counted_backend(monkeypatch):
+    """The test backend with a plan op (tests/planned_backend.py), its ops' calls counted by name."""
+    import planned_backend as pb
+
+    from mla_inductor import backends
+
+    backends.register_backend("planned_test", "planned_backend")
+    calls = []
+
+    def counted(name, op):
+        def call(*args):
+            calls.append(name)
+            return op(*args)
+        return call
+
+    monkeypatch.setattr(pb.BACKEND, "plan_op", lambda: counted("plan", torch.ops.mla_test.plan.default))
+    monkeypatch.setattr(pb.BACKEND, "compiled_op", lambda: counted("run", torch.ops.mla_test.run.default))
+    monkeypatch.setattr(pb.BACKEND, "decode_and_plan_op",
+                        lambda: counted("decode_and_plan", torch.ops.mla_test.decode_and_plan.default)
+                        if pb.BACKEND.plans_in_first_call else None)
+    yield pb, calls
+    backends.unregister_backend("planned_test")
+
+
+def small_problem(sparse=False):
+    return DecodeProblem(device_type="cpu", cache_format="bf16", q_dtype=torch.bfloat16, num_heads=2,
+                         kv_lora_rank=32, rope_dim=16, page_size=4, sparse=sparse, topk=8 if sparse else None,
+                         q_per_seq=1, batch=3)
+
+
+@pytest.mark.parametrize("varied", [True, False])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_timed_inputs_are_a_serving_batch(varied, sparse):
+    from mla_inductor.timing import _inputs
+
+    shape = tuning.ProgramShape("whole steps in CUDA graphs", 3, True, batch=3, seq_len=32, varied=varied)
+    x = _inputs(small_problem(sparse), shape, torch.device("cpu"), shape.calls)
+    lens = x["seq_lens"].tolist()
+    assert all(4 <= n <= 32 for n in lens) and (len(set(lens)) > 1) == varied, lens
+    assert len(x["caches"]) == 3 and x["caches"][0].data_ptr() != x["caches"][1].data_ptr(), \
+        "each call of a step reads its own cache, as each layer does"
+    if sparse:
+        slots, page = x["sparse"].long(), 4
+        for seq in range(3):  # every index a slot of its own sequence, below its length
+            rows = x["block_table"][seq].long()
+            pages, offsets = slots[seq] // page, slots[seq] % page
+            positions = [int((rows == p).nonzero()[0]) * page + int(o) for p, o in zip(pages, offsets)]
+            assert max(positions) < lens[seq]
+
+
+@pytest.mark.parametrize("plans_in_first_call", [False, True], ids=["plan_op", "decode_and_plan"])
+@pytest.mark.parametrize("calls", [8, 1])
+def test_a_timed_step_plans_as_the_pass_writes_it(counted_backend, plans_in_first_call, calls, monkeypatch):
+    """One plan per step shared by its calls (made by its first call where the decode makes it as a
+    by-product); a call alone in its graph goes without where the run schedules itself."""
+    from mla_inductor.timing import _inputs, _step_of
+
+    pb, made = counted_backend
+    monkeypatch.setattr(pb.BACKEND, "plans_in_first_call", plans_in_first_call)
+    shape = tuning.ProgramShape("whole steps in CUDA graphs" if calls > 1 else "one-call graphs", calls, True,
+                                batch=3, seq_len=16, varied=True)
+    x = _inputs(small_problem(), shape, torch.device("cpu"), calls)
+    host_plan, step = _step_of("planned_test", small_problem(), shape, x)
+    step(host_plan())
+    first = ["decode_and_plan"] if plans_in_first_call else ["plan", "run"]
+    assert made == first + ["run"] * (calls - 1)
+    made.clear()
+    monkeypatch.setattr(pb.BACKEND, "plan_is_optional", True)
+    host_plan, step = _step_of("planned_test", small_problem(), shape, x)
+    step(host_plan())
+    assert made == (["run"] if calls == 1 else first + ["run"] * (calls - 1))
+    made.clear()
+    monkeypatch.setattr(pb.BACKEND, "plan_is_optional", False)
+    monkeypatch.setattr(pb.BACKEND, "plans_on_host", True, raising=False)
+    host_plan, step = _step_of("planned_test", small_problem(), shape, x)
+    held = host_plan()
+    assert made == ["plan"], "a host plan is made apart from the step (outside a captured graph)"
+    step(held)
+    step(held)
+    assert made == ["plan"] + ["run"] * 2 * calls
