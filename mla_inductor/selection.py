@@ -452,7 +452,8 @@ def select_backend(
     """The first backend of the user's preference (or the table's order, adjusted to a compiled call's
     ``context``) that is available and supports the problem, with the reasons the ones ahead of it were
     passed over; where measured selection applies (``mla_inductor.tuning``: stored timings, or timing allowed
-    on this GPU), the fastest measured instead. Raises RuntimeError, listing every reason, when none can run the call."""
+    on this GPU), the fastest measured instead. Raises RuntimeError, listing every reason, when none can run the
+    call."""
     reasons = []
     ranked = rank_backends(problem, capability, available=available, preference=preference, context=context)
     if _MEASUREMENT_HOOK and preference is None and available is None:

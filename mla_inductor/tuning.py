@@ -40,7 +40,6 @@ import statistics
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence
@@ -52,7 +51,6 @@ from mla_inductor import backends
 from mla_inductor._compat import environment_reader
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.selection import (
-    CAPTURED_STEP,
     ONE_CALL_GRAPH,
     CallContext,
     Selection,

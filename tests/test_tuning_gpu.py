@@ -62,11 +62,11 @@ def test_each_program_shape_is_timed_within_the_bound_and_then_read(fresh_store,
 def test_a_second_process_compiling_the_same_step_times_nothing(fresh_store):
     """The first process compiles (and tunes) a step; a second one compiles it again and reads the results."""
     script = textwrap.dedent("""
-        import sys, torch, mla_inductor
+        import sys, torch, torch._inductor.config, mla_inductor
         from mla_inductor import tuning
         from mla_inductor.lowering import decisions
         from mla_inductor.testing import make_decode_inputs
-        x = make_decode_inputs(seq_lens=[300, 4000, 1200, 64], num_heads=16)
+        x = make_decode_inputs(seq_lens=[300, 4000, 1200, 64], num_heads=16, device="cuda")
         def step(q_nope, q_pe, kv, bt, sl):
             a = torch.ops.mla.paged_decode(q_nope, q_pe, kv, bt, sl, 0.04, x.kv_scale)
             return torch.ops.mla.paged_decode(q_nope * 2, q_pe, kv, bt, sl, 0.04, x.kv_scale) + a
@@ -87,7 +87,7 @@ def test_a_second_process_compiling_the_same_step_times_nothing(fresh_store):
 
 
 def test_eager_calls_use_the_stored_choice(fresh_store):
-    x = make_decode_inputs(seq_lens=[300, 4000, 1200, 64], num_heads=16)
+    x = make_decode_inputs(seq_lens=[300, 4000, 1200, 64], num_heads=16, device="cuda")
     args = (x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.seq_lens, 0.04, x.kv_scale)
     with tuning.autotuning("all"):
         chosen = mla_inductor.backend_for_call(*args)
