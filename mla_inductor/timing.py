@@ -13,7 +13,8 @@ Three program shapes (``tuning.ProgramShape.kind``, the kinds the selection tabl
 
 Lengths are a serving batch's (``shape.varied``: drawn in [seq_len / 8, seq_len], fixed seed) or all equal.
 Rounds alternate between the backends (a drift of the host's speed favours none); each backend's first round
-also compiles its kernels and is not kept.
+also compiles its kernels and is not kept. Past ``tuning.BUDGET_S`` seconds for the class, no round starts after
+the ``tuning.MIN_ROUNDS``-th.
 """
 
 from __future__ import annotations
@@ -234,9 +235,10 @@ def time_backends(problem: DecodeProblem, shape, names: Sequence[str], device,
                   rounds: Optional[int] = None) -> Mapping[str, object]:
     """Each backend's microseconds per call in each of ``rounds`` rounds (``tuning.ROUNDS``) of ``shape``, or
     why it could not run (a string)."""
-    from mla_inductor.tuning import ROUNDS
+    from mla_inductor.tuning import BUDGET_S, MIN_ROUNDS, ROUNDS
 
     rounds = rounds or ROUNDS
+    started = time.perf_counter()
     device = torch.device(device)
     how = {CAPTURED_STEP: _captured_step, ONE_CALL_GRAPH: _one_call_graph}.get(shape.kind, _uncaptured_step)
     results: dict[str, object] = {}
@@ -250,7 +252,9 @@ def time_backends(problem: DecodeProblem, shape, names: Sequence[str], device,
                 results[name] = []
             except Exception as e:  # noqa: BLE001 - a backend that fails to run here is reported, not chosen
                 results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        for _ in range(rounds):
+        for done in range(rounds):
+            if done >= MIN_ROUNDS and time.perf_counter() - started > BUDGET_S:
+                break  # the class's budget is spent: the rounds so far decide
             for name, one_round in timed.items():
                 if isinstance(results[name], list):
                     try:

@@ -72,6 +72,8 @@ LENGTHS = ("varied", "equal")
 # Backends whose times differ by less than this fraction of the fastest are tied: the table's order decides.
 TIE = 0.03
 ROUNDS = 7  # timed rounds per backend (interleaved across backends); the median of each is kept
+MIN_ROUNDS = 3  # ... fewer (not below this) where a class's timing has spent BUDGET_S
+BUDGET_S = 4.0  # seconds a new problem class may spend being timed, its backends' first runs included
 CALLS_PER_STEP = 8  # calls sharing one plan in a timed multi-call step (each on its own query and cache)
 SEQ_LEN = 4096  # the longest sequence of a timed batch; varied lengths are drawn in [SEQ_LEN / 8, SEQ_LEN]
 TOP_CLASS_BATCH = 128  # the batch timed for the class above every batch limit of the table
@@ -434,6 +436,7 @@ def tuning_key() -> str:
 # ----------------------------------------------------------------------------- choosing
 
 _timings = [0]  # timer calls made in this process (one per problem class timed)
+_unmeasurable: set = set()  # (file, class key) where no candidate ran when timed
 _timer: list[Optional[Timer]] = [None]  # the injected timer, if any
 _lookups_only = threading.local()
 
@@ -507,7 +510,8 @@ def measure(problem: DecodeProblem, shape: ProgramShape, candidates: Sequence[st
             failed[name] = result
         else:
             times[name] = float(statistics.median(result))
-    log.info("mla_inductor: timed %s in %.2f s: %s", list(candidates), time.perf_counter() - started, times)
+    log.info("mla_inductor: timed %s for %s in %.2f s (us per call): %s", list(candidates), _shape_words(shape),
+             time.perf_counter() - started, times)
     return times, failed
 
 
@@ -538,8 +542,13 @@ def measured_selection(problem: DecodeProblem, capability, context: Optional[Cal
         if len(candidates) < 2:
             return None
         shape = program_shape(problem, context)
+        if (path, key) in _unmeasurable:
+            return None
         times, failed = measure(problem, shape, candidates, "cuda")  # the current CUDA device
         if not times:
+            _unmeasurable.add((path, key))  # not timed again in this process (nor stored: it may be transient)
+            log.warning("mla_inductor: no backend could be timed for %s (%s); the selection table decides", key,
+                        "; ".join(f"{n}: {w}" for n, w in failed.items()))
             return None
         entry = {"winner": winner_of(times, candidates), "times": [[n, times[n]] for n in candidates if n in times],
                  "failed": sorted([n, w] for n, w in failed.items()), "shape": _shape_words(shape),

@@ -149,6 +149,15 @@ def test_ties_within_three_percent_go_to_the_table_order(gpu_env):
     assert chosen.backend == "triton" and "a tie" in " ".join(chosen.reasons)
 
 
+def test_a_class_no_backend_runs_for_is_left_to_the_table_and_not_timed_again(gpu_env, monkeypatch):
+    monkeypatch.setattr(tuning, "_unmeasurable", set())
+    timer = FakeTimer({"triton": "RuntimeError: boom", "flashmla": "RuntimeError: boom",
+                       "flashinfer_fa3": "RuntimeError: boom"})
+    with tuning.autotuning("1"), tuning.timing_with(timer):
+        assert choose() is None and choose() is None
+    assert len(timer.calls) == 1 and not (gpu_env / "selection").exists()
+
+
 def test_a_corrupt_tuning_file_is_refused_naming_it(gpu_env):
     path = tuning.results_file(dict(H100))
     path.parent.mkdir(parents=True)
