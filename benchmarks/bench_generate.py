@@ -206,8 +206,11 @@ def bench_generate_mla(model, cache, args, device, detail: bool = True) -> Row:
     counts = compile_counts()
     row.ms = decode_ms(run, args.steps, args.repeats, device)
     row.extra["compile"] = compile_report(model, counts)
-    new = {d.backend for d in mla_inductor.lowering.decisions() if d not in before}
+    made = [d for d in mla_inductor.lowering.decisions() if d not in before]
+    new = {d.backend for d in made}
     row.kernel = ", ".join(sorted(new)) or selected_kernel(model, cache)
+    # Whether the selection table or a measurement chose (measured now, or stored by python -m mla_inductor.tune).
+    row.extra["selection"] = sorted({f"{d.backend}: {d.source}" for d in made})
     if not detail:
         return row
     row.extra["host_us_per_step"] = host_time_per_step(run, args.steps, device)
@@ -464,6 +467,9 @@ def markdown(rows: list[Row], derived: dict, args, env: dict, bandwidth: float) 
                f"{built['CUDA-graph skips']} CUDA-graph skips over the generate-mla row"
                if built["compiled"] else "transformers did not compile the decode step (it does so on CUDA only)")
         lines += ["", how + "."]
+    chosen = next((r.extra["selection"] for r in rows if r.extra.get("selection")), None)
+    if chosen:
+        lines += ["", f"generate-mla's decode calls chose (backend: source): {'; '.join(chosen)}."]
     host = next((r.extra["host_us_per_step"] for r in rows if "host_us_per_step" in r.extra), None)
     if host:
         lines += ["", f"Where a generate-mla step's host time goes (cProfile over 2 + {args.steps} steps, µs per "

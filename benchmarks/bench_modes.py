@@ -69,6 +69,10 @@ directly (``_library.define_op(direct=True)``): the same cases with and without 
 its call site's own callable (``define_op``'s ``call_site``): the A/B of call sites. ``--no-kept-views``: the views a
 kernel takes of a layer's cache are made on every call instead of kept per cache tensor (``TensorViews``).
 ``--no-eager-repeat``: every eager call builds its call signature, also one like the op's last call (``ops._Repeat``).
+``--tune``: measured selection forced and the table ignored (``MLA_INDUCTOR_AUTOTUNE=all``: every usable backend
+timed for each new problem class, the table's order breaking ties only), timed on the run's length distribution
+(``--varlen`` or equal lengths), its results kept in a fresh directory unless ``$MLA_INDUCTOR_CACHE_DIR`` names one;
+with ``--a-backends`` / ``--b-backends`` naming every backend, each cell's tuned row stands beside each backend's.
 """
 
 from __future__ import annotations
@@ -724,6 +728,19 @@ AB_SWITCHES = (
 )
 
 
+def tune_everything(varlen: bool) -> None:
+    """Every decision of the run measured (``--tune``): every usable backend timed per new problem class on the
+    run's length distribution, in a fresh results directory unless ``$MLA_INDUCTOR_CACHE_DIR`` names one."""
+    import os
+    import tempfile
+
+    from mla_inductor import tuning
+
+    os.environ[tuning.AUTOTUNE_ENV] = "all"
+    os.environ[tuning.LENGTHS_ENV] = "varied" if varlen else "equal"
+    os.environ.setdefault(tuning.CACHE_DIR_ENV, tempfile.mkdtemp(prefix="mla_inductor_tune_"))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (default: all)")
@@ -767,6 +784,9 @@ def main(argv=None) -> None:
                         "session slows what follows it: time with the same configuration without this flag)")
     p.add_argument("--d-host-profile", action="store_true",
                    help="part d: after timing each mode, print a cProfile of 10 steps (where the host's ms per step go)")
+    p.add_argument("--tune", action="store_true",
+                   help="measured selection forced, the table ignored (MLA_INDUCTOR_AUTOTUNE=all) on the run's "
+                        "length distribution")
     add_out_argument(p)
     args = p.parse_args(argv)
     args.parts = "".join(ch for ch in args.parts if ch in "abcd")
@@ -774,6 +794,8 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"--d-modes: unknown {sorted(unknown)}; the modes are {', '.join(D_MODES)}")
     require_gpu("bench_modes.py")
+    if args.tune:
+        tune_everything(args.varlen)
     for flag, switch, _ in AB_SWITCHES:
         if getattr(args, flag.removeprefix("--").replace("-", "_")):
             switch()
@@ -802,6 +824,11 @@ def main(argv=None) -> None:
             traceback.print_exc()
             results.skip("d", "HF model", f"failed: {type(e).__name__}: {str(e)[:200]}")
     progress(f"# done in {time.perf_counter() - started:.0f} s")
+    if args.tune:
+        from mla_inductor import tuning
+
+        progress(f"# measured selection: {tuning.timing_count()} problem classes timed, results in "
+                 f"{tuning.results_file(tuning.environment())}")
     text = markdown(results, env, args)
     print(text)
     write_results(args.out, "bench_modes", text, {"environment": env, "rows": results.rows,

@@ -29,7 +29,6 @@ import torch
 import mla_inductor
 from mla_inductor._compat import is_placeholder_pass
 from mla_inductor._library import direct_ops_watched, watch_direct_ops
-from mla_inductor.autotune import autotune_enabled, fastest_backend
 from mla_inductor.backends import (
     availability,
     device_capability,
@@ -54,14 +53,13 @@ from mla_inductor.lowering.merge_pass import lower_merge_calls
 from mla_inductor.lowering.records import decisions_of_graph, log_decision, write_record
 from mla_inductor.selection import (
     CallContext,
-    Selection,
     batch_limits,
     capture_expected,
     fp8_query_allowed,
-    rank_backends,
     select_backend,
     user_preference,
 )
+from mla_inductor.tuning import tuning_key
 
 from mla_inductor.lowering._compat import (
     CustomGraphPass,
@@ -358,9 +356,7 @@ def _lower_decode_call(graph_pass: "MLALoweringPass", match: Match, *args, **kwa
     problem, batch_note = _batch_class(problem, fake[3].shape[0],
                                        lambda p: select_backend(p, capability, context=context).backend)
     notes += [batch_note] if batch_note else []
-    selection = select_backend(problem, capability, context=context)
-    if autotune_enabled() and fake[0].device.type == "cuda":
-        selection = _autotuned(problem, capability, selection, fake)
+    selection = select_backend(problem, capability, context=context)  # measured where tuning applies
     log_decision(problem, capability, selection, context, notes)
     backend = get_backend(selection.backend)
     ops.note(backend, with_lse, context)
@@ -405,29 +401,11 @@ def _joined_query(q_nope, q_pe) -> Optional[torch.fx.Node]:
     return base
 
 
-def _hint(size) -> int:
-    """A symbolic size's example value (the size the graph was traced with), 1 where it has none."""
-    hint = size_hint(size)
-    return 1 if hint is None else hint
-
-
-def _autotuned(problem, capability, selection, fake):
-    """Time the eligible backends on the call's sizes; the fastest replaces the table's choice."""
-    candidates = [name for name, why in rank_backends(problem, capability) if why is None]
-    if len(candidates) < 2:
-        return selection
-    block_table, kv_cache = fake[3], fake[2]
-    sizes = {"batch": _hint(block_table.shape[0]), "max_pages": _hint(block_table.shape[1]),
-             "num_pages": _hint(kv_cache.shape[0])}
-    winner = fastest_backend(problem, capability, candidates, sizes, fake[0].device)
-    if winner is None or winner == selection.backend:
-        return selection
-    return Selection(winner, selection.reasons + (f"autotune: {winner} measured faster than {selection.backend}",))
-
-
 def _environment_key() -> str:
     """What else decides the rewrite: user preference, usable backends, library versions, the GPU."""
-    parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}", f"autotune={autotune_enabled()}",
+    parts = [f"preference={user_preference()}", f"fp8_query={fp8_query_allowed()}",
+             # The measured choices stored for this GPU and library versions, and whether new ones are timed.
+             f"tuning={tuning_key()}",
              f"debug_checks={debug_checks_enabled()}", f"available={sorted(availability().items())}",
              f"environment={environment_settings()}",
              # Graphs its caller captures (compiling_for_capture) choose as captured ones do.

@@ -30,6 +30,7 @@ from mla_inductor._library import define_op
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.lowering._compat import keep_in_graph
 from mla_inductor.selection import CallContext, user_preference
+from mla_inductor.tuning import Measurement
 
 log = logging.getLogger("mla_inductor.lowering")
 
@@ -38,7 +39,9 @@ log = logging.getLogger("mla_inductor.lowering")
 class Decision:
     """One backend choice of the pass: for which call (``problem``, with symbolic sizes as selected), on which
     device, in which graph context; ``reasons`` says why each backend ahead of the winner was passed over
-    (a refusal, or a plan whose cost its graph cannot amortize), ``notes`` how symbolic sizes were decided."""
+    (a refusal, a plan whose cost its graph cannot amortize, or a slower measured time), ``notes`` how symbolic
+    sizes were decided, ``measurement`` the timings that chose it (``tuning.Measurement``: measured in this
+    process or stored, microseconds per backend) or None where the selection table did (``source``)."""
 
     problem: DecodeProblem
     capability: Optional[tuple[int, int]]
@@ -46,6 +49,12 @@ class Decision:
     reasons: tuple[str, ...]
     context: Optional[CallContext] = None
     notes: tuple[str, ...] = ()
+    measurement: Optional[Measurement] = None
+
+    @property
+    def source(self) -> str:
+        """"table", or "measured" / "stored" (timed in this process / read from the tuning file)."""
+        return "table" if self.measurement is None else self.measurement.source
 
 
 _decisions: dict[Decision, None] = {}  # ordered set
@@ -80,14 +89,17 @@ def _remember(decision: Decision, how: str) -> None:
         _decisions[decision] = None
         skipped = f" (passed over: {'; '.join(decision.reasons)})" if decision.reasons else ""
         shapes = f" [{'; '.join(decision.notes)}]" if decision.notes else ""
-        log.info("mla.paged_decode %s on capability %s in %s -> %s%s%s%s", decision.problem, decision.capability,
-                 decision.context, decision.backend, skipped, shapes, how)
+        source = (" (the selection table)" if decision.measurement is None
+                  else f" (timings {decision.measurement.describe()})")
+        log.info("mla.paged_decode %s on capability %s in %s -> %s%s%s%s%s", decision.problem, decision.capability,
+                 decision.context, decision.backend, source, skipped, shapes, how)
 
 
 def log_decision(problem: DecodeProblem, capability, selection, context: Optional[CallContext] = None,
                  notes=()) -> Decision:
     """Record the pass's choice for one call (kept for the graph being lowered, if any)."""
-    decision = Decision(problem, capability, selection.backend, selection.reasons, context, tuple(notes))
+    decision = Decision(problem, capability, selection.backend, selection.reasons, context, tuple(notes),
+                        selection.measurement)
     _remember(decision, "")
     if _graphs_being_lowered:
         _graphs_being_lowered[-1][decision] = None
@@ -176,15 +188,17 @@ def _as_json(decision: Decision) -> dict:
                for k, v in dataclasses.asdict(decision.problem).items()}
     context = dataclasses.asdict(decision.context) if decision.context is not None else None
     return {"problem": problem, "capability": decision.capability, "backend": decision.backend,
-            "reasons": list(decision.reasons), "context": context, "notes": list(decision.notes)}
+            "reasons": list(decision.reasons), "context": context, "notes": list(decision.notes),
+            "measurement": decision.measurement.as_json() if decision.measurement is not None else None}
 
 
 def _from_json(data: dict) -> Decision:
     problem = dict(data["problem"], q_dtype=getattr(torch, data["problem"]["q_dtype"]))
     capability = tuple(data["capability"]) if data["capability"] is not None else None
     context = CallContext(**data["context"]) if data.get("context") is not None else None
+    measurement = Measurement.from_json(data["measurement"]) if data.get("measurement") is not None else None
     return Decision(DecodeProblem(**problem), capability, data["backend"], tuple(data["reasons"]), context,
-                    tuple(data.get("notes", ())))
+                    tuple(data.get("notes", ())), measurement)
 
 
 # Defined with the low-level Library API: no custom_op Python layers on a call made every step; and called by

@@ -21,6 +21,7 @@ from mla_inductor.contract import DecodeProblem
 from mla_inductor.merge import merge_attn_states, merge_attn_states_n
 from mla_inductor.ops import cache_append, paged_decode, paged_decode_with_lse
 from mla_inductor.reference import paged_decode_reference
+from mla_inductor import tuning  # installs measured selection ahead of the table
 from mla_inductor.selection import (
     allow_fp8_query,
     backend_for_call,

@@ -504,3 +504,11 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried: Sequence[torch.Ten
     shape, dtype and strides.
     """
     return torch.ops.higher_order.while_loop(cond_fn, body_fn, tuple(carried), tuple(additional))
+
+
+def real_tensors():
+    """A context in which new tensors are real even inside a compile (Inductor's pass runs under its fake
+    mode): the dispatch modes in force are set aside (``torch.utils._python_dispatch._disable_current_modes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

@@ -1,8 +1,10 @@
 """What mla-inductor sees on this machine: ``python -m mla_inductor.info [--markdown]``.
 
-Prints the GPU, the optional libraries and their versions, each backend's availability (with the reason
-when it is not usable) and where its kernels were loaded from (FlashMLA: which package serves each of
-its modes), and which backend the selection table picks for typical DeepSeek calls here.
+Prints the GPU, the optional libraries and their versions (and which are outside the ranges the selection
+table was measured with), each backend's availability (with the reason when it is not usable) and where its
+kernels were loaded from (FlashMLA: which package serves each of its modes), whether measured selection
+(``mla_inductor.tuning``) times new problem classes here and what it has stored, and which backend typical
+DeepSeek calls get here, from the table or from a measurement (with the measured times).
 ``--markdown`` prints instead the machine-independent backend matrix kept in docs/backends.md.
 """
 
@@ -22,6 +24,7 @@ from mla_inductor.backends import (
     library_versions,
     registered_backends,
 )
+from mla_inductor import tuning
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.selection import TABLE, select_backend
 
@@ -91,6 +94,10 @@ def report() -> str:
     gpu = f"{torch.cuda.get_device_name()} (SM{cap[0]}{cap[1]})" if cap else "none (CPU only)"
     out.append(f"GPU: {gpu}")
     out.append("libraries: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in library_versions(extra=("torch", "transformers")).items()))
+    outside = tuning.untested_versions()
+    if outside:
+        out.append("outside the tested ranges: " + ", ".join(f"{n} {v}" for n, v in outside.items()))
+    out += tuning_report(device.type, cap)
     avail = availability()
     out.append("backends:")
     for name, why in avail.items():
@@ -103,8 +110,11 @@ def report() -> str:
     for fmt, sparse, heads, page in itertools.product(FORMATS, (False, True), (16, 128), (64,)):
         problem = example_problem(device.type, fmt, sparse, heads, page)
         try:
-            sel = select_backend(problem, cap, available=avail)
-            detail = f"{sel.backend}" + (f"  (passed over: {'; '.join(sel.reasons)})" if sel.reasons else "")
+            with tuning.lookups_only():  # what stored measurements say; nothing is timed here
+                sel = select_backend(problem, cap)
+            source = "table" if sel.measurement is None else f"timings {sel.measurement.describe()}"
+            detail = f"{sel.backend} [{source}]" + (f"  (passed over: {'; '.join(sel.reasons)})" if sel.reasons
+                                                      else "")
             opted_in = select_backend(dataclasses.replace(problem, fp8_query=True), cap, available=avail).backend
             if opted_in != sel.backend:
                 detail += f"; with an e4m3 query allowed (q_scale or allow_fp8_query): {opted_in}"
@@ -112,6 +122,32 @@ def report() -> str:
             detail = f"none: {e}"
         out.append(f"  {fmt:<11} {'sparse' if sparse else 'dense ':<6} H={heads:<4} page={page}: {detail}")
     return "\n".join(out)
+
+
+def tuning_report(device_type: str, capability) -> list[str]:
+    """Lines saying whether measured selection times new classes here, why, and what it has stored."""
+    try:
+        mode = tuning.requested_mode()
+    except ValueError as e:
+        return [f"measured selection: {e}"]
+    if device_type != "cuda":
+        return [f"measured selection: off (no GPU; ${tuning.AUTOTUNE_ENV}={mode})"]
+    why = tuning.why_auto(device_type, capability)
+    timing = tuning.timing_allowed(device_type, capability)
+    reason = {"0": "turned off", "1": "asked for", "all": "asked for, every usable backend",
+              "auto": why or "the table was measured on this GPU class and these versions"}[mode]
+    env = tuning.environment()
+    path = tuning.results_file(env)
+    lines = [f"measured selection (${tuning.AUTOTUNE_ENV}={mode}): new problem classes "
+             f"{'are' if timing else 'are not'} timed ({reason}); results: {path}"]
+    try:
+        stored = tuning.read_results(path, env).get("results", {})
+    except tuning.TuningCacheError as e:
+        return lines + [f"  {e}"]
+    for key, entry in stored.items():
+        times = ", ".join(f"{n} {us:.1f} us" for n, us in entry["times"])
+        lines.append(f"  {key}: {entry['winner']} ({times})")
+    return lines
 
 
 def main(argv=None) -> None:

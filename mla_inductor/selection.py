@@ -46,6 +46,7 @@ _fp8_query_env = environment_reader(FP8_QUERY_ENV)
 class Selection:
     backend: str
     reasons: tuple[str, ...]  # why each backend ahead of the winner was passed over
+    measurement: Optional[object] = None  # a tuning.Measurement where timings chose, None where the table did
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,17 @@ def _host_plan_note(name: str, instead: str, context: CallContext) -> str:
             f"HOST_PLAN_MIN_CALLS={HOST_PLAN_MIN_CALLS} calls per plan)")
 
 
+# The function asked before the table (``tuning.measured_selection``, installed when ``mla_inductor.tuning`` is
+# imported): (problem, capability, context, the table's ranking) -> a Selection measured for the call, or None.
+_MEASUREMENT_HOOK: list = []
+
+
+def consult_measurements(hook) -> None:
+    """Have ``select_backend`` ask ``hook`` before the table wherever neither a preference nor availability is
+    given (the real machine's choice)."""
+    _MEASUREMENT_HOOK[:] = [hook]
+
+
 def select_backend(
     problem: DecodeProblem,
     capability: Optional[tuple[int, int]],
@@ -296,10 +308,16 @@ def select_backend(
 ) -> Selection:
     """The first backend of the user's preference (or the table's order, adjusted to a compiled call's
     ``context``) that is available and supports the problem, with the reasons the ones ahead of it were
-    passed over. Raises RuntimeError, listing every reason, when none can run the call."""
+    passed over; where measured selection applies (``mla_inductor.tuning``: stored timings, or timing allowed
+    on this GPU), the fastest measured instead. Raises RuntimeError, listing every reason, when none can run the
+    call."""
     reasons = []
-    for name, why in rank_backends(problem, capability, available=available, preference=preference,
-                                   context=context):
+    ranked = rank_backends(problem, capability, available=available, preference=preference, context=context)
+    if _MEASUREMENT_HOOK and preference is None and available is None:
+        measured = _MEASUREMENT_HOOK[0](_with_user_choices(problem), capability, context, ranked)
+        if measured is not None:
+            return measured
+    for name, why in ranked:
         if why is None:
             return Selection(name, tuple(reasons))
         reasons.append(f"{name}: {why}")

@@ -8,6 +8,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import tempfile  # noqa: E402
+
+# The tests check the selection table's choices: measured selection only where a test turns it on (on a GPU with
+# library versions outside the tested ranges it would be on by default), its results never in the user's cache.
+os.environ.setdefault("MLA_INDUCTOR_AUTOTUNE", "0")
+os.environ.setdefault("MLA_INDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mla_inductor_tests_"))
 
 
 def pytest_collection_modifyitems(config, items):

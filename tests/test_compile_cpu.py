@@ -261,7 +261,7 @@ def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeyp
     import sys
     import types
 
-    from mla_inductor.autotune import autotuning
+    from mla_inductor.tuning import autotuning
     from mla_inductor.lowering import installed_pass
 
     ours = installed_pass()

@@ -508,6 +508,26 @@ def test_flashinfer_direct_run_is_refused_where_another_argument_is_made_from_th
     assert _DirectRun.record(wrapper, _call_tensors(), {}) is False
 
 
+@pytest.mark.parametrize("version, repeated", [("0.6.18.post1", True), ("0.6.14", True), ("0.7.0", False),
+                                               ("0.7.2.post1", False)])
+def test_flashinfer_runs_are_repeated_only_where_the_wrapper_runs_its_own_module(version, repeated, monkeypatch):
+    """FlashInfer 0.7 runs through a planned-backend object the recording does not see: every run goes through
+    wrapper.run() there."""
+    import sys
+    import types
+
+    from mla_inductor.backends import _flashinfer_common
+
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = version
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    _flashinfer_common.direct_runs_supported.cache_clear()
+    try:
+        assert _flashinfer_common.direct_runs_supported() is repeated
+    finally:
+        _flashinfer_common.direct_runs_supported.cache_clear()
+
+
 # ----------------------------------------------------------------------------- what eager calls cache
 
 class _Recording(mla_inductor.backends.Backend):

@@ -210,31 +210,6 @@ def test_docs_backends_md_matches_select_backend():
     assert generated == backend_matrix_markdown(), "docs/backends.md is stale: regenerate it"
 
 
-@needs_triton
-def test_autotune_picks_the_fastest_candidate_and_caches_it():
-    from mla_inductor import autotune
-
-    problem = example_problem(TRITON_DEVICE, "bf16", False, 2, 4)
-    problem = type(problem)(**{**problem.__dict__, "kv_lora_rank": 256, "rope_dim": 32, "topk": None})
-    timings = iter([5.0, 1.0])  # reference, then triton
-    calls = []
-
-    def timer(fn):
-        fn()  # the candidate really runs on the autotune inputs
-        calls.append(1)
-        return next(timings)
-
-    sizes = {"batch": 2, "max_pages": 2, "num_pages": 6}
-    with mla_inductor.prefer_backends("reference", "triton"):
-        device = torch.device(TRITON_DEVICE)
-        winner = autotune.fastest_backend(problem, None, ["reference", "triton"], sizes, device, timer)
-        again = autotune.fastest_backend(problem, None, ["reference", "triton"], sizes, device, timer)
-    assert winner == again == "triton" and len(calls) == 2, "the winner must be cached per problem and sizes"
-    assert not autotune.autotune_enabled()
-    with autotune.autotuning(True):
-        assert autotune.autotune_enabled()
-
-
 def test_backend_for_call_answers_from_the_arguments():
     from mla_inductor.testing import make_decode_inputs
 

@@ -96,6 +96,20 @@ def flashinfer_unavailable_reason() -> Optional[str]:
     return None
 
 
+# The last FlashInfer release line whose wrapper runs its kernel through its own ``_cached_module.run(...,
+# _plan_info, ...)``, which ``_DirectRun`` repeats. FlashInfer 0.7 moved planning and running into a planned-backend
+# object per plan (``flashinfer/mla/_batch_mla``; the wrapper only mirrors ``_cached_module`` and ``_plan_info``) and
+# validates each run against a contract declared at plan time: there, every run goes through ``wrapper.run()``
+# (its legacy positional plan and q_nope/q_pe, ckv/kpe run forms are accepted with a DeprecationWarning each).
+DIRECT_RUN_BEFORE = (0, 7, 0)
+
+
+@functools.cache
+def direct_runs_supported() -> bool:
+    """Whether the installed FlashInfer's wrapper runs can be repeated without ``wrapper.run()`` (``_DirectRun``)."""
+    return version_tuple(getattr(flashinfer_module(), "__version__", "0")) < DIRECT_RUN_BEFORE
+
+
 def flashinfer_module():
     """The flashinfer package, imported on first use."""
     import flashinfer
@@ -459,7 +473,8 @@ def run_planned(entry: _PlannedWrapper, q_nope, q_pe, kv_cache, kv_scale, sparse
     direct_run = entry.direct_run
     if direct_run:
         direct_run(q_nope, q_pe, ckv, kpe, out, lse)  # lse None: the module's lse is optional
-    elif direct_run is None:  # recorded with an lse (the module call then names its place), written or not
+    elif direct_run is None and direct_runs_supported():  # recorded with an lse (the module call then names its
+        # place), written or not
         recorded = lse if lse is not None else q_nope.new_empty(entry.lse_shape, dtype=torch.float32)
         entry.direct_run = _DirectRun.record(entry.wrapper, (q_nope, q_pe, ckv, kpe, out, recorded),
                                              dict(return_lse=True, return_lse_base_on_e=True, **scales))
