@@ -50,7 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface
 
 from mla_inductor._compat import mark_static_address
-from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache, capacity_message, checked_cache_positions
+from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache, capacity_message, check_cache_positions
 from mla_inductor.contract import being_captured
 from mla_inductor.prefill import prefill_attention
 
@@ -355,7 +355,7 @@ class PagedMLACache(Cache):
         S = indexer_key_states.shape[1]
         columns = self._columns - S + torch.arange(S, device=keys.device)  # update() already counted them
         if self._counted_on_device():  # (eager forwards checked the columns in update())
-            columns = checked_cache_positions(columns, self.max_seq_len, "PagedMLACache", "columns (padding included)")
+            columns = check_cache_positions(columns, self.max_seq_len, "PagedMLACache", "columns (padding included)")
         keys.index_copy_(1, columns, indexer_key_states.to(keys.dtype))
         return keys
 
@@ -494,18 +494,17 @@ class PagedMLACache(Cache):
         else:
             positions = self.seq_lens[:, None].long() + real.cumsum(-1) - 1
         if self._counted_on_device():
-            # No host check runs in a compiled or captured step: the positions the step writes pass the
-            # device's check first (a ValueError on CPU, a device-side assert on GPUs), never wrapping onto
-            # the last slot.
-            positions = checked_cache_positions(positions if real is None else torch.where(real, positions, -1),
-                                                self.max_seq_len, "PagedMLACache", "tokens")
+            # No host check runs in a compiled or captured step: the positions it writes are checked where
+            # they are (a ValueError on CPU, a device-side assert on GPUs), never wrapped onto the last slot.
+            positions = check_cache_positions(positions if real is None else torch.where(real, positions, -1),
+                                              self.max_seq_len, "PagedMLACache", "tokens")
         self.seq_lens.add_(Q if real is None else real.sum(-1, dtype=torch.int32))
         self._new_slots = self._slots(positions, real)
 
     def _check_capacity(self, real: Optional[torch.Tensor], Q: int) -> None:
         """Eager forwards: no sequence may outgrow max_seq_len. No sequence holds more tokens than the columns
         seen, so the device is read only when that bound does not settle it (compiled and captured steps check
-        on the device instead: ``checked_cache_positions`` in ``_begin_attention``)."""
+        on the device instead: ``check_cache_positions`` in ``_begin_attention``)."""
         if self._counted_on_device():
             return
         if self._host_columns is not None and self._host_columns <= self.max_seq_len:

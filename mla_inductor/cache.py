@@ -221,25 +221,40 @@ def copy_to_device_async(dst: torch.Tensor, host: torch.Tensor) -> None:
 def capacity_message(cache: str, max_seq_len: int, counted: str, needed: Optional[int] = None) -> str:
     """The refusal of a step that would take a sequence past ``max_seq_len`` (``counted``: "tokens", or
     "columns (padding included)"); ``needed``: the count it would reach, where known."""
-    held = f"{needed} {counted}" if needed is not None else f"more {counted}"
-    return (f"{cache}: a sequence would hold {held}, more than max_seq_len={max_seq_len}; make the cache with a "
-            f"larger max_seq_len, or reset() it before new sequences")
+    held = (f"{needed} {counted}, more than max_seq_len={max_seq_len}" if needed is not None
+            else f"more {counted} than max_seq_len={max_seq_len} allows")
+    return f"{cache}: a sequence would hold {held}; make the cache with a larger max_seq_len, or reset() it"
+
+
+def check_cache_positions(positions: torch.Tensor, max_seq_len: int, cache: str, counted: str) -> torch.Tensor:
+    """``positions`` (an integer tensor of token positions a step is about to write) clamped into
+    [0, max_seq_len), after checking that none is ``>= max_seq_len``, for steps whose Python does not run
+    again (compiled or captured), where no host check can: a ValueError on CPU (eager's type and text), a
+    device-side assert on GPUs (no host sync; a failed one stops the process with CUDA's "device-side
+    assert triggered", and a compiled graph's Triton assert prints the message). Compute the slots to
+    write from the result: on CPU the check then runs before any write; on a GPU no index leaves the block
+    table before the assert stops the process."""
+    if positions.device.type == "cpu":
+        return torch.ops.mla.checked_cache_positions(positions, max_seq_len, cache, counted)
+    return assert_cache_positions(positions, max_seq_len, cache, counted)
+
+
+def assert_cache_positions(positions: torch.Tensor, max_seq_len: int, cache: str, counted: str) -> torch.Tensor:
+    """The GPU form of ``check_cache_positions``: a device-side assert (traced into compiled graphs as it is,
+    so Inductor's kernel carries the message), then the clamp."""
+    assert_on_device((positions < max_seq_len).all(), capacity_message(cache, max_seq_len, counted))
+    return positions.clamp(0, max_seq_len - 1)
 
 
 @torch.library.custom_op("mla::checked_cache_positions", mutates_args=())
 def checked_cache_positions(positions: torch.Tensor, max_seq_len: int, cache: str, counted: str) -> torch.Tensor:
-    """``positions`` (any integer tensor of token positions about to be written) clamped into
-    [0, max_seq_len), after checking that none is ``>= max_seq_len``: a ValueError on CPU, a device-side
-    assert elsewhere (no host sync, so it runs inside compiled steps and CUDA graphs; a failed one stops
-    the process with CUDA's "device-side assert triggered").
-
-    For steps whose Python does not run again (compiled or captured): the slots the step writes are
-    computed from the result, so no write can come before the check and none wraps onto the last slot."""
-    if positions.device.type == "cpu":
-        if positions.numel() and int(positions.max()) >= max_seq_len:
-            raise ValueError(capacity_message(cache, max_seq_len, counted, int(positions.max()) + 1))
-    else:
-        assert_on_device((positions < max_seq_len).all(), capacity_message(cache, max_seq_len, counted))
+    """The CPU form of ``check_cache_positions``: an op, so that a compiled graph calls it as it is and raises
+    eager's ValueError (Inductor's own asserts raise RuntimeError); its result (the clamped positions) feeds
+    the slots, so neither dead-code elimination nor scheduling puts a write before it."""
+    if positions.device.type != "cpu":
+        return assert_cache_positions(positions, max_seq_len, cache, counted)
+    if positions.numel() and int(positions.max()) >= max_seq_len:
+        raise ValueError(capacity_message(cache, max_seq_len, counted, int(positions.max()) + 1))
     return positions.clamp(0, max_seq_len - 1)
 
 

@@ -155,6 +155,42 @@ def test_own_compiled_decode_loop_past_max_seq_len_raises():
     assert all(torch.equal(a, b) for a, b in zip(before, cache.kv_caches))
 
 
+def test_a_compiled_dsa_step_past_max_seq_len_raises():
+    """DSA (DeepSeek-V3.2): the indexer keeps a key per column, padding included; a compiled step past
+    max_seq_len columns is refused before it writes one (eager checks the columns in update())."""
+    t = hf_helpers()
+    torch._dynamo.reset()
+    model = t.family_model("deepseek_v32", index_topk=6)
+    ids, mask = t.left_padded_prompts(seed=28)
+    cache = t.use_mla(model, batch=4, max_seq_len=t.PROMPT_LEN + 1)
+    step = torch.compile(mla_inductor.hf.decode_one_token, fullgraph=True)
+    with torch.no_grad():
+        token = mla_inductor.hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        token = step(model, token, cache).argmax(-1)  # every row now spans max_seq_len columns
+        keys = [k.clone() for k in cache._indexer_keys.values()]
+        with pytest.raises(ValueError, match="PagedMLACache: a sequence would hold 14 (columns|tokens).*more than "
+                                             "max_seq_len=13"):
+            step(model, token, cache)
+    assert all(torch.equal(a, b) for a, b in zip(keys, cache._indexer_keys.values()))
+
+
+def test_the_gpu_form_of_the_capacity_check_keeps_its_assert_and_message_when_compiled():
+    """What compiled and captured steps run on GPUs (a device-side assert), run on CPU, where the assert
+    raises at once: traced into a graph, it is kept and carries the message naming max_seq_len."""
+    from mla_inductor.cache import assert_cache_positions
+
+    def write_at(positions):
+        return assert_cache_positions(positions, 8, "PagedMLACache", "tokens") * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(write_at, fullgraph=True)
+    assert compiled(torch.tensor([[3, 7]])).tolist() == [[6, 14]]
+    for run in (write_at, compiled):
+        with pytest.raises(RuntimeError, match="PagedMLACache: a sequence would hold more tokens than max_seq_len=8 "
+                                               "allows"):
+            run(torch.tensor([[5, 8]]))
+
+
 def test_own_generate_refuses_up_front_what_the_cache_cannot_hold():
     t = hf_helpers()
     model = t.make_model("v3_yarn")
@@ -224,9 +260,11 @@ if {how!r} == "generate":  # generate() compiles its decode step itself on GPU
     cache.reset()
     out = hf_generate(model, ids, mask, 12, past_key_values=cache)
 else:
-    step = hf.CapturedDecodeStep(model, cache)
     with torch.no_grad():
         token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        if {how!r} == "captured_compiled_layers":
+            hf.compile_layers(model, fullgraph=True)
+        step = hf.CapturedDecodeStep(model, cache)
         for _ in range(3):  # warm-up, capture + replay, replay: row 0 holds PROMPT_LEN + 3 tokens
             token = step(token).argmax(-1)
         torch.cuda.synchronize()
@@ -236,17 +274,22 @@ else:
 torch.cuda.synchronize()
 print("past max_seq_len returned", cache.seq_lens.tolist(), flush=True)
 """
+PAST_CAPACITY_RUNS = [*((how, fmt) for how in ("generate", "captured_compiled_layers")
+                        for fmt in ("bf16", "fp8_e4m3", "fp8_ds_mla")), ("captured_eager_layers", "bf16")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
-@pytest.mark.parametrize("how", ["generate", "captured_step"])
+@pytest.mark.parametrize("how, fmt", PAST_CAPACITY_RUNS)
 def test_gpu_step_past_max_seq_len_stops_with_a_device_assert(how, fmt):
     """On GPU a compiled generate() step and a hf.CapturedDecodeStep replay past max_seq_len stop at the
-    cache's own device-side assert: no wrap onto the last slot, no illegal memory access, no result."""
+    cache's own device-side assert: no wrap onto the last slot, no illegal memory access, no result. Compiled
+    code asserts in an Inductor kernel, which prints the message; eager layers captured assert with torch's
+    own kernel (its text may not reach stderr)."""
     script = textwrap.dedent(PAST_CAPACITY.format(tests=str(HERE), fmt=fmt, how=how))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert "within max_seq_len ok" in result.stdout, result.stderr[-3000:]
     assert "past max_seq_len returned" not in result.stdout, result.stdout
     assert result.returncode != 0 and "device-side assert" in result.stderr, result.stderr[-3000:]
     assert "illegal memory access" not in result.stderr, result.stderr[-3000:]
+    if how != "captured_eager_layers":
+        assert "more tokens than max_seq_len=15 allows" in result.stderr, result.stderr[-3000:]
