@@ -283,7 +283,8 @@ def generate(
 ) -> torch.Tensor:
     """Greedy generation without ``model.generate``: [B, S] prompt -> [B, S + max_new_tokens] tokens, like
     ``model.generate(do_sample=False)`` with no stop token. ``cache`` is reset first (default: a new one
-    sized for this call); ``decode_step`` replaces ``decode_one_token`` (e.g. its compiled version)."""
+    sized for this call; a ValueError before anything runs where the prompt and ``max_new_tokens`` do not fit
+    its ``max_seq_len``); ``decode_step`` replaces ``decode_one_token`` (e.g. its compiled version)."""
     check_attention(model)
     B, S = input_ids.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

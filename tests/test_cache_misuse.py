@@ -111,7 +111,8 @@ def test_allocate_refuses_sizes_that_make_no_cache(argument, value, error, text)
 def hf_helpers():
     """test_hf's tiny models and helpers (transformers needed: skipped without it)."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(HERE))
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     import test_hf
 
     return test_hf
@@ -119,8 +120,8 @@ def hf_helpers():
 
 def test_a_compiled_decode_step_past_max_seq_len_raises_and_writes_nothing():
     """generate()'s compiled decode step (forced on CPU, fullgraph, Inductor) on a cache one token short:
-    the step past max_seq_len raises the eager step's ValueError; the cache's tokens are untouched (before,
-    every later token was written over the last slot and the logits were wrong)."""
+    the step past max_seq_len raises the eager step's ValueError, and nothing of it reaches the cache (no
+    token written over the last slot, no length advanced)."""
     t = hf_helpers()
     torch._dynamo.reset()
     model = t.make_model("v3_yarn")
