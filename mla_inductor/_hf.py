@@ -50,7 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface
 
 from mla_inductor._compat import mark_static_address
-from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache
+from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache, capacity_message, check_cache_positions
 from mla_inductor.contract import being_captured
 from mla_inductor.prefill import prefill_attention
 
@@ -240,6 +240,10 @@ class PagedMLACache(Cache):
         self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._first_layer, self._last_layer = min(modules), max(modules)
         self._has_tokens = False  # host-side: the next forward is a prompt on an empty cache when False
+        # generate() marks a cache passed to it at the start of each call (``_is_user_defined``): the first
+        # forward of such a call on a filled cache must continue the sequences the cache holds.
+        self._passed_to_generate = False
+        self._generate_call_begins = False
         # The forward in progress runs ordinary attention (set by its first layer; False between forwards).
         self._prompt_forward = False
         # Columns seen as the host knows them without reading the device (None once a compiled step has run:
@@ -296,6 +300,16 @@ class PagedMLACache(Cache):
     def is_dummy(self) -> list[bool]:
         return self._layer_flags[2]
 
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._passed_to_generate
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # transformers' generate() sets this on the cache passed to it, at the start of every call
+        # (``_prepare_cache_for_generation``): the call's first forward checks that it continues this cache.
+        self._passed_to_generate = self._generate_call_begins = bool(value)
+
     def __repr__(self) -> str:
         return (f"PagedMLACache(batch_size={self.batch_size}, max_seq_len={self.max_seq_len}, format={self.format!r}, "
                 f"page_size={self.page_size}, layers={len(self._layers)})")
@@ -340,6 +354,8 @@ class PagedMLACache(Cache):
             raise ValueError(f"PagedMLACache.update_indexer: layer {layer_idx} has no indexer")
         S = indexer_key_states.shape[1]
         columns = self._columns - S + torch.arange(S, device=keys.device)  # update() already counted them
+        if self._counted_on_device():  # (eager forwards checked the columns in update())
+            columns = check_cache_positions(columns, self.max_seq_len, "PagedMLACache", "columns (padding included)")
         keys.index_copy_(1, columns, indexer_key_states.to(keys.dtype))
         return keys
 
@@ -417,8 +433,8 @@ class PagedMLACache(Cache):
     # ---------------------------------------------------------------- the attention (called by mla_attention)
     def _slots(self, positions: torch.Tensor, real: Optional[torch.Tensor]) -> torch.Tensor:
         ps = self.page_size
-        # Clamped so that an index never leaves the block table, even under torch.compile where the
-        # capacity check (a host sync) is skipped.
+        # Clamped so that an index never leaves the block table: masked DSA columns and pads may lie outside
+        # (the positions of new tokens were checked against max_seq_len already).
         positions = positions.clamp(0, self.max_seq_len - 1)
         # int32 throughout after the gather (the block table's dtype, the op's slot dtype): one cast, of the
         # offsets within the page.
@@ -435,8 +451,8 @@ class PagedMLACache(Cache):
         elif self.sparse:
             columns = self._columns_seen() + num_columns
             if columns > self.max_seq_len:
-                raise ValueError(f"PagedMLACache: {columns} columns (padding included) would exceed max_seq_len="
-                                 f"{self.max_seq_len}; make the cache with a larger max_seq_len")
+                raise ValueError(capacity_message("PagedMLACache", self.max_seq_len, "columns (padding included)",
+                                                  columns))
         self._columns.add_(num_columns)
         if self._host_columns is not None:
             self._host_columns += num_columns
@@ -477,13 +493,18 @@ class PagedMLACache(Cache):
             positions = self.seq_lens[:, None].long() + torch.arange(Q, device=device)
         else:
             positions = self.seq_lens[:, None].long() + real.cumsum(-1) - 1
+        if self._counted_on_device():
+            # No host check runs in a compiled or captured step: the positions it writes are checked where
+            # they are (a ValueError on CPU, a device-side assert on GPUs), never wrapped onto the last slot.
+            positions = check_cache_positions(positions if real is None else torch.where(real, positions, -1),
+                                              self.max_seq_len, "PagedMLACache", "tokens")
         self.seq_lens.add_(Q if real is None else real.sum(-1, dtype=torch.int32))
         self._new_slots = self._slots(positions, real)
 
     def _check_capacity(self, real: Optional[torch.Tensor], Q: int) -> None:
         """Eager forwards: no sequence may outgrow max_seq_len. No sequence holds more tokens than the columns
-        seen, so the device is read only when that bound does not settle it (compiled and captured steps skip
-        the check: their slots are clamped into the block table)."""
+        seen, so the device is read only when that bound does not settle it (compiled and captured steps check
+        on the device instead: ``check_cache_positions`` in ``_begin_attention``)."""
         if self._counted_on_device():
             return
         if self._host_columns is not None and self._host_columns <= self.max_seq_len:
@@ -491,8 +512,47 @@ class PagedMLACache(Cache):
         new_lens = self.seq_lens + (Q if real is None else real.sum(-1, dtype=torch.int32))
         longest = int(new_lens.max())
         if longest > self.max_seq_len:
-            raise ValueError(f"PagedMLACache: a sequence would hold {longest} tokens, more than max_seq_len="
-                             f"{self.max_seq_len}; make the cache with a larger max_seq_len")
+            raise ValueError(capacity_message("PagedMLACache", self.max_seq_len, "tokens", longest))
+
+    def _refuse_misuse(self, attention_mask: Optional[torch.Tensor], B: int, Q: int, kwargs: dict) -> None:
+        """At the forward's first MLA layer, before anything is written: refuse a forward that would store
+        what the cache already holds (``use_cache=False``: each step feeds the whole sequence again), and the
+        first forward of a ``generate()`` call that does not continue the sequences a filled cache holds (its
+        positions do not start at their lengths: a stale cache given a new prompt). Either leaves the cache
+        as it was before this forward."""
+        if kwargs.get("use_cache") is False:
+            self._abandon_forward(Q)
+            raise ValueError("PagedMLACache: the forward runs with use_cache=False, which feeds the whole sequence "
+                             "again at every step while the cache keeps every token it is given; generate with "
+                             "use_cache=True (the default), or without a PagedMLACache")
+        if not self._generate_call_begins:
+            return
+        self._generate_call_begins = False
+        position_ids = kwargs.get("position_ids")
+        if self._prompt_forward or position_ids is None or self._counted_on_device():
+            return  # an empty cache: nothing to continue (compiled: no host read; never a generate's first forward)
+        real = self._real_new_tokens(attention_mask, B, Q)
+        count = torch.full((B,), Q, device=self.seq_lens.device) if real is None else real.sum(-1)
+        last = position_ids.to(self.seq_lens.device).expand(B, Q)[:, -1].long()
+        if bool(((count == 0) | (last == self.seq_lens.long() + count - 1)).all()):
+            return
+        held = self.seq_lens.tolist()
+        self._abandon_forward(Q)
+        raise ValueError(
+            f"PagedMLACache: generate() was given a cache that already holds sequences of {held} tokens, and its "
+            "input does not continue them (transformers continues a cache only when input_ids, or the attention "
+            "mask, span the cached tokens followed by the new ones); call cache.reset() before generating for "
+            "new prompts")
+
+    def _abandon_forward(self, Q: int) -> None:
+        """Undo what the forward in progress changed (its first layer's ``update``: nothing was written yet)."""
+        self._columns.sub_(Q)
+        if self._host_columns is not None:
+            self._host_columns -= Q
+        if self._prompt_forward:
+            self._has_tokens = False
+        self._in_flight.clear()
+        self._end_forward()
 
     def _end_forward(self) -> None:
         """At the forward's last MLA layer: nothing of this forward outlives it."""
@@ -536,6 +596,7 @@ class PagedMLACache(Cache):
         B, _, Q, _ = query.shape
         layer = module.layer_idx
         if layer == self._first_layer:
+            self._refuse_misuse(attention_mask, B, Q, kwargs)
             self._begin_attention(attention_mask, B, Q, query.device)
         slots, prompt = self._new_slots, self._prompt_forward
         if layer == self._last_layer:

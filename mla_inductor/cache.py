@@ -12,13 +12,14 @@ Formats (``cache_format(kv_cache)`` names them):
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from mla_inductor._compat import mark_static_address, version_counter
+from mla_inductor._compat import assert_on_device, mark_static_address, version_counter
 
 FP8_E4M3_MAX = 448.0
 FP8_DS_MLA_TOKEN_BYTES = 656
@@ -215,6 +216,63 @@ def copy_to_device_async(dst: torch.Tensor, host: torch.Tensor) -> None:
         dst.copy_(host)
 
 
+# ----------------------------------------------------------------------------- capacity inside compiled steps
+
+def capacity_message(cache: str, max_seq_len: int, counted: str, needed: Optional[int] = None) -> str:
+    """The refusal of a step that would take a sequence past ``max_seq_len`` (``counted``: "tokens", or
+    "columns (padding included)"); ``needed``: the count it would reach, where known."""
+    held = (f"{needed} {counted}, more than max_seq_len={max_seq_len}" if needed is not None
+            else f"more {counted} than max_seq_len={max_seq_len} allows")
+    return f"{cache}: a sequence would hold {held}; make the cache with a larger max_seq_len, or reset() it"
+
+
+def check_cache_positions(positions: torch.Tensor, max_seq_len: int, cache: str, counted: str) -> torch.Tensor:
+    """``positions`` (an integer tensor of token positions a step is about to write) clamped into
+    [0, max_seq_len), after checking that none is ``>= max_seq_len``, for steps whose Python does not run
+    again (compiled or captured), where no host check can: a ValueError on CPU (eager's type and text), a
+    device-side assert on GPUs (no host sync; a failed one stops the process with CUDA's "device-side
+    assert triggered", and a compiled graph's Triton assert prints the message). Compute the slots to
+    write from the result: on CPU the check then runs before any write; on a GPU no index leaves the block
+    table before the assert stops the process."""
+    if positions.device.type == "cpu":
+        return torch.ops.mla.checked_cache_positions(positions, max_seq_len, cache, counted)
+    return assert_cache_positions(positions, max_seq_len, cache, counted)
+
+
+def assert_cache_positions(positions: torch.Tensor, max_seq_len: int, cache: str, counted: str) -> torch.Tensor:
+    """The GPU form of ``check_cache_positions``: a device-side assert (traced into compiled graphs as it is,
+    so Inductor's kernel carries the message), then the clamp."""
+    assert_on_device((positions < max_seq_len).all(), capacity_message(cache, max_seq_len, counted))
+    return positions.clamp(0, max_seq_len - 1)
+
+
+@torch.library.custom_op("mla::checked_cache_positions", mutates_args=())
+def checked_cache_positions(positions: torch.Tensor, max_seq_len: int, cache: str, counted: str) -> torch.Tensor:
+    """The CPU form of ``check_cache_positions``: an op, so that a compiled graph calls it as it is and raises
+    eager's ValueError (Inductor's own asserts raise RuntimeError); its result (the clamped positions) feeds
+    the slots, so neither dead-code elimination nor scheduling puts a write before it."""
+    if positions.device.type != "cpu":
+        return assert_cache_positions(positions, max_seq_len, cache, counted)
+    if positions.numel() and int(positions.max()) >= max_seq_len:
+        raise ValueError(capacity_message(cache, max_seq_len, counted, int(positions.max()) + 1))
+    return positions.clamp(0, max_seq_len - 1)
+
+
+@checked_cache_positions.register_fake
+def _(positions, max_seq_len, cache, counted):
+    return torch.empty_like(positions)
+
+
+def _check_count(name: str, value, least: Optional[int]) -> int:
+    """``value`` as an int: TypeError unless it is an integer (a bool is not), ValueError below ``least``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return value
+
+
 # ----------------------------------------------------------------------------- a paged cache
 
 @dataclass
@@ -263,8 +321,12 @@ class PagedLatentCache:
         device: torch.device | str = "cpu",
     ) -> PagedLatentCache:
         """Room for ``batch_size`` sequences of up to ``max_seq_len`` tokens (``num_pages`` defaults to that)."""
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        for name, value, least in (("num_layers", num_layers, 0), ("batch_size", batch_size, 1),
+                                   ("max_seq_len", max_seq_len, 1), ("kv_lora_rank", kv_lora_rank, 1),
+                                   ("rope_dim", rope_dim, 0), ("page_size", page_size, 1),
+                                   ("num_pages", num_pages, 0)):
+            if value is not None or name != "num_pages":
+                _check_count(f"PagedLatentCache.allocate: {name}", value, least)
         if not fmt.startswith("fp8") and kv_scale != 1.0:
             raise ValueError(f"kv_scale applies to fp8 formats only; format {fmt!r} needs kv_scale=1.0")
         width = token_width(fmt, kv_lora_rank, rope_dim)
@@ -306,22 +368,40 @@ class PagedLatentCache:
     def reserve(self, num_tokens: int | list[int]) -> torch.Tensor:
         """Make room for the next ``num_tokens`` tokens of every sequence (an int, or one count per
         sequence); advance ``seq_lens``; return the slot_mapping int32 [sum(num_tokens)] for cache_append,
-        sequence-major."""
-        counts = [num_tokens] * self.batch_size if isinstance(num_tokens, int) else list(num_tokens)
-        if len(counts) != self.batch_size:
-            raise ValueError(f"num_tokens must be an int or have {self.batch_size} entries, got {len(counts)}")
+        sequence-major.
+
+        All or nothing: every count is checked (a non-negative int, within ``max_seq_len``, pages to spare)
+        before anything changes, so a refused call leaves the cache as it was."""
+        name = "PagedLatentCache.reserve: num_tokens"
+        if isinstance(num_tokens, bool) or (hasattr(num_tokens, "__index__")
+                                            and not (isinstance(num_tokens, torch.Tensor) and num_tokens.dim())):
+            counts = [_check_count(name, num_tokens, 0)] * self.batch_size
+        else:
+            try:
+                counts = list(num_tokens)
+            except TypeError:
+                raise TypeError(f"{name} must be an int or one int per sequence, got "
+                                f"{type(num_tokens).__name__}") from None
+            if len(counts) != self.batch_size:
+                raise ValueError(f"{name} must be an int or have {self.batch_size} entries (one per sequence), "
+                                 f"got {len(counts)}")
+            counts = [_check_count(f"{name}[{b}]", n, 0) for b, n in enumerate(counts)]
         max_pages = self.block_table.shape[1]
-        slots: list[int] = []
-        for b, n in enumerate(counts):
-            start, end = self._host_lens[b], self._host_lens[b] + n
-            pages = self._host_pages[b]
+        ends = [length + n for length, n in zip(self._host_lens, counts)]
+        for b, end in enumerate(ends):
             if -(-end // self.page_size) > max_pages:
-                raise ValueError(f"sequence {b} would hold {end} tokens, more than max_seq_len allows")
-            while len(pages) * self.page_size < end:
-                if not self._free_pages:
-                    raise RuntimeError("PagedLatentCache is out of pages; allocate it with more num_pages")
-                pages.append(self._free_pages.pop())
-            slots.extend(pages[t // self.page_size] * self.page_size + t % self.page_size for t in range(start, end))
+                raise ValueError(f"PagedLatentCache.reserve: sequence {b} would hold {end} tokens, more than "
+                                 f"max_seq_len allows ({max_pages} pages of {self.page_size}); nothing was reserved")
+        new_pages = [max(0, -(-end // self.page_size) - len(pages)) for end, pages in zip(ends, self._host_pages)]
+        if sum(new_pages) > len(self._free_pages):
+            raise RuntimeError(f"PagedLatentCache is out of pages: the reserve needs {sum(new_pages)} more, "
+                               f"{len(self._free_pages)} are free; allocate it with more num_pages (nothing was "
+                               "reserved)")
+        slots: list[int] = []
+        for b, (n, end) in enumerate(zip(counts, ends)):
+            pages = self._host_pages[b]
+            pages.extend(self._free_pages.pop() for _ in range(new_pages[b]))
+            slots.extend(pages[t // self.page_size] * self.page_size + t % self.page_size for t in range(end - n, end))
             self._host_lens[b] = end
         self._sync_tables()
         slot_mapping = torch.empty(len(slots), dtype=torch.int32, device=self.block_table.device)
@@ -330,6 +410,11 @@ class PagedLatentCache:
 
     def reset(self, batch_index: int | None = None) -> None:
         """Forget sequence ``batch_index`` (all sequences if None) and return its pages."""
+        if batch_index is not None:
+            batch_index = _check_count("PagedLatentCache.reset: batch_index", batch_index, None)
+            if not 0 <= batch_index < self.batch_size:
+                raise IndexError(f"PagedLatentCache.reset: batch_index must be None (every sequence) or in "
+                                 f"[0, batch_size={self.batch_size}), got {batch_index}")
         for b in range(self.batch_size) if batch_index is None else [batch_index]:
             self._free_pages.extend(reversed(self._host_pages[b]))
             self._host_pages[b] = []

@@ -172,8 +172,8 @@ class CapturedDecodeStep:
     a weight tensor (``load_state_dict`` copies in place and needs nothing) or to use another cache. The
     cache's ``reset``, ``crop``, ``set_length`` and ``reorder_cache`` work between calls (they write in place;
     after ``reset``, ``prefill`` a new prompt before the next step: a call on an empty cache is refused). As in a
-    compiled step, no capacity check runs during a replay: a sequence must not outgrow the cache's
-    ``max_seq_len`` (the next eager forward's check reads the lengths from the device).
+    compiled step on a GPU, a replay that would take a sequence past the cache's ``max_seq_len`` stops at a
+    device-side assert (nothing in a replay may wait for the device to raise a Python exception).
     """
 
     def __init__(self, model: nn.Module, cache: "PagedMLACache"):
@@ -280,11 +280,21 @@ def generate(
 ) -> torch.Tensor:
     """Greedy generation without ``model.generate``: [B, S] prompt -> [B, S + max_new_tokens] tokens, like
     ``model.generate(do_sample=False)`` with no stop token. ``cache`` is reset first (default: a new one
-    sized for this call); ``decode_step`` replaces ``decode_one_token`` (e.g. its compiled version)."""
+    sized for this call; a ValueError before anything runs where the prompt and ``max_new_tokens`` do not fit
+    its ``max_seq_len``); ``decode_step`` replaces ``decode_one_token`` (e.g. its compiled version)."""
     check_attention(model)
     B, S = input_ids.shape
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if cache is None:
         cache = _impl().PagedMLACache(model, batch_size=B, max_seq_len=S + max_new_tokens)
+    # Refused before anything runs: the prompt's tokens (its columns, padding included, for a DSA cache) and
+    # every generated token but the last are stored.
+    prompt = S if attention_mask is None or cache.sparse else int(attention_mask.sum(-1).max())
+    if prompt + max_new_tokens - 1 > cache.max_seq_len:
+        raise ValueError(f"generate: the prompt ({prompt} tokens) and max_new_tokens={max_new_tokens} need "
+                         f"{prompt + max_new_tokens - 1} tokens per sequence, more than the cache's max_seq_len="
+                         f"{cache.max_seq_len}")
     cache.reset()
     step = decode_step or decode_one_token
     token = prefill(model, input_ids, attention_mask, cache=cache).argmax(-1)

@@ -13,6 +13,9 @@ A case edits the arguments of a valid call (``BASES``) and expects either
   with the float64 oracle (tests/naive.py) at the query dtype's tolerance, ``"empty"`` checks empty
   outputs of the right shapes; cache_append cases check the cache they wrote.
 
+``SCENARIOS`` (at the end, apart from the op calls) adds stateful misuse of the caches and of ``generate()``:
+each runs its calls itself and checks that a refusal changed nothing.
+
 Rows are made by a few builders (``refused``, ``refused_at_run``, ``holds``, and for the families that repeat
 one edit over many arguments ``wrong_dtype``, ``wrong_rank``, ``strided``, ``bad_scale``), so that a row
 says only what differs.
@@ -432,4 +435,178 @@ CASES: list[Case] = [
           "nothing written", "written", op=CA, base="append"),
     holds("cache_append: values past ±448 · kv_scale (fp8 cache)", put("kv_c", lambda a: a["kv_c"] * 1e6),
           "rows written, saturated at ±448", "written", op=CA, base="append_fp8"),
+]
+
+
+# ============================================================================= stateful scenarios
+# Misuse that no single op call shows: a cache's methods called with bad counts, indices or sizes, and
+# generate() with a PagedMLACache past its capacity, with use_cache=False or with a stale cache. Each scenario
+# runs the misuse itself and checks that a refusal left the cache as it was; tests/test_hostile.py checks the
+# exception (or the result) and adds the rows to docs/reliability.md's table. ``compiled``: the scenario also
+# runs with generate()'s decode steps (or our own decode loop) under torch.compile; host-side cache methods
+# have no compiled form and run in one mode.
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Callable[[bool], None]  # run(compiled)
+    expect: Union[Raises, Returns]
+    compiled: bool = True
+    compiled_result: str = ""  # the compiled column where it differs from "the same, from the compiled step"
+
+
+def _latent_cache(**overrides):
+    from mla_inductor.cache import PagedLatentCache
+
+    kw = dict(num_layers=1, batch_size=2, max_seq_len=8, kv_lora_rank=32, rope_dim=16, page_size=4)
+    return PagedLatentCache.allocate(**{**kw, **overrides})
+
+
+def _latent_state(cache) -> tuple:
+    return (list(cache._host_lens), [list(p) for p in cache._host_pages], list(cache._free_pages),
+            cache.seq_lens.tolist(), cache.block_table.tolist())
+
+
+def _refused_call_changes_nothing(cache, call: Callable[[object], object]) -> Callable[[bool], None]:
+    """A scenario: ``call(cache)`` on a cache holding [2, 3] tokens; where it raises, the cache must be as it
+    was, and the next reserve must continue from the old lengths."""
+    def run(compiled: bool) -> None:
+        c = cache()
+        c.reserve([2, 3])
+        before = _latent_state(c)
+        try:
+            call(c)
+        except Exception:
+            assert _latent_state(c) == before, "a refused call changed the cache"
+            c.reserve([1, 1])
+            assert c.seq_lens.tolist() == [3, 4]
+            raise
+    return run
+
+
+def cache_refuses(name, call, error, text, cache=_latent_cache) -> Scenario:
+    return Scenario(name, _refused_call_changes_nothing(cache, call), Raises(error, text, "run"), compiled=False)
+
+
+_TINY_MODEL = {}
+
+
+def _tiny_hf():
+    """test_hf's helpers and one tiny DeepSeek-V3 model (shared by the scenarios: compiled steps are reused)."""
+    import test_hf
+
+    if "model" not in _TINY_MODEL:
+        _TINY_MODEL["model"] = test_hf.make_model("v3_yarn")
+    return test_hf, _TINY_MODEL["model"]
+
+
+def _generate(t, model, ids, mask, n, cache, compiled: bool, **kwargs):
+    if compiled:  # what generate() does by itself on GPU (its decode steps compiled), forced on CPU
+        config = t.transformers.CompileConfig(fullgraph=True, mode="default")
+        config._compile_all_devices = True
+        kwargs["compile_config"] = config
+    return t.hf_generate(model, ids, mask, n, past_key_values=cache, **kwargs)
+
+
+def _generate_past_capacity(compiled: bool) -> None:
+    t, model = _tiny_hf()
+    ids, mask = t.left_padded_prompts(seed=31)
+    cache = t.use_mla(model, batch=4, max_seq_len=t.PROMPT_LEN + 2)
+    try:
+        _generate(t, model, ids, mask, 6, cache, compiled)
+    except ValueError:
+        assert int(cache.seq_lens.max()) <= cache.max_seq_len
+        raise
+
+
+def _own_loop_past_capacity(compiled: bool) -> None:
+    from mla_inductor import hf
+
+    t, model = _tiny_hf()
+    ids, mask = t.left_padded_prompts(seed=32)
+    cache = t.use_mla(model, batch=4, max_seq_len=t.PROMPT_LEN + 1)
+    step = torch.compile(hf.decode_one_token, fullgraph=True) if compiled else hf.decode_one_token
+    with torch.no_grad():
+        token = hf.prefill(model, ids, mask, cache=cache).argmax(-1)
+        for _ in range(3):
+            token = step(model, token, cache).argmax(-1)
+
+
+def _without_use_cache(compiled: bool) -> None:
+    t, model = _tiny_hf()
+    ids, mask = t.left_padded_prompts(seed=33)
+    cache = t.use_mla(model, batch=4)
+    try:
+        _generate(t, model, ids, mask, 3, cache, compiled, use_cache=False)
+    except ValueError:
+        assert cache.seq_lens.tolist() == [0] * 4 and int(cache.get_seq_length()) == 0
+        raise
+
+
+def _stale_cache(compiled: bool) -> None:
+    t, model = _tiny_hf()
+    ids, mask = t.left_padded_prompts(seed=34)
+    cache = t.use_mla(model, batch=4)
+    _generate(t, model, ids, mask, 3, cache, compiled)
+    held = cache.seq_lens.tolist()
+    other, other_mask = t.left_padded_prompts(seed=35)
+    try:
+        _generate(t, model, other, other_mask, 3, cache, compiled)
+    except ValueError:
+        assert cache.seq_lens.tolist() == held
+        raise
+
+
+def _continued_cache(compiled: bool) -> None:
+    t, model = _tiny_hf()
+    ids, mask = t.left_padded_prompts(seed=36)
+    cache = t.use_mla(model, batch=4)
+    first = _generate(t, model, ids, mask, 3, cache, compiled)
+    turn = torch.randint(1, t.VOCAB, (4, 2), generator=torch.Generator().manual_seed(37))
+    conversation = torch.cat([first, turn], 1)
+    conversation_mask = torch.cat([mask, torch.ones_like(conversation[:, mask.shape[1]:])], 1)
+    got = _generate(t, model, conversation, conversation_mask, 3, cache, compiled)
+    assert torch.equal(got, t.hf_generate(model, conversation, conversation_mask, 3))
+
+
+RESERVE = "PagedLatentCache.reserve: "
+RESET_RANGE = "PagedLatentCache.reset: batch_index must be None (every sequence) or in [0, batch_size=2), got "
+AT_PROMPT = "the same, at the prompt (before any compiled step)"
+PAST_CAPACITY = "PagedMLACache: a sequence would hold {} tokens, more than max_seq_len={}"
+
+SCENARIOS = [
+    cache_refuses("PagedLatentCache.reserve: one sequence past max_seq_len", lambda c: c.reserve([1, 9]), ValueError,
+                  RESERVE + "sequence 1 would hold 12 tokens, more than max_seq_len allows"),
+    cache_refuses("PagedLatentCache.reserve: out of pages", lambda c: c.reserve([3, 4]), RuntimeError,
+                  "PagedLatentCache is out of pages: the reserve needs 2 more, 1 are free",
+                  cache=lambda: _latent_cache(num_pages=3)),
+    cache_refuses("PagedLatentCache.reserve(-1)", lambda c: c.reserve(-1), ValueError,
+                  RESERVE + "num_tokens must be >= 0, got -1"),
+    cache_refuses("PagedLatentCache.reserve([2, -3])", lambda c: c.reserve([2, -3]), ValueError,
+                  RESERVE + "num_tokens[1] must be >= 0, got -3"),
+    cache_refuses("PagedLatentCache.reserve(1.5)", lambda c: c.reserve(1.5), TypeError,
+                  RESERVE + "num_tokens must be an int or one int per sequence, got float"),
+    cache_refuses("PagedLatentCache.reserve([1, 1, 1]) on a batch of 2", lambda c: c.reserve([1, 1, 1]), ValueError,
+                  RESERVE + "num_tokens must be an int or have 2 entries (one per sequence), got 3"),
+    cache_refuses("PagedLatentCache.reset(-1)", lambda c: c.reset(-1), IndexError, RESET_RANGE + "-1"),
+    cache_refuses("PagedLatentCache.reset(5) on a batch of 2", lambda c: c.reset(5), IndexError, RESET_RANGE + "5"),
+    cache_refuses("PagedLatentCache.reset(1.0)", lambda c: c.reset(1.0), TypeError,
+                  "PagedLatentCache.reset: batch_index must be an int, got float 1.0"),
+    Scenario("PagedLatentCache.allocate(max_seq_len=-5)", lambda compiled: _latent_cache(max_seq_len=-5),
+             Raises(ValueError, "PagedLatentCache.allocate: max_seq_len must be >= 1, got -5", "run"), compiled=False),
+    Scenario("PagedLatentCache.allocate(num_pages=-1)", lambda compiled: _latent_cache(num_pages=-1),
+             Raises(ValueError, "PagedLatentCache.allocate: num_pages must be >= 0, got -1", "run"), compiled=False),
+    Scenario("generate() past PagedMLACache.max_seq_len", _generate_past_capacity,
+             Raises(ValueError, PAST_CAPACITY.format(15, 14), "run")),
+    Scenario("hf.decode_one_token past max_seq_len", _own_loop_past_capacity,
+             Raises(ValueError, PAST_CAPACITY.format(14, 13), "run")),
+    Scenario("generate(use_cache=False) with a PagedMLACache", _without_use_cache,
+             Raises(ValueError, "PagedMLACache: the forward runs with use_cache=False", "run"),
+             compiled_result=AT_PROMPT),
+    Scenario("generate() of a new prompt on a used cache without reset()", _stale_cache,
+             Raises(ValueError, "call cache.reset() before generating for new prompts", "run"),
+             compiled_result=AT_PROMPT),
+    Scenario("generate() continuing a used cache (input spans the cached tokens)", _continued_cache,
+             Returns("HF eager's tokens"), compiled_result="the same, decode steps compiled"),
 ]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mla_inductor  # noqa: F401 - registers the ops
-from hostile_cases import APPEND_ARGS, CASES, DECODE_ARGS, Raises, Returns, base_args
+from hostile_cases import APPEND_ARGS, CASES, DECODE_ARGS, SCENARIOS, Raises, Returns, base_args
 from mla_inductor.cache import FP8_E4M3_MAX
 from mla_inductor.contract import assert_append_values_on_device, assert_decode_values_on_device
 from mla_inductor.testing import TOLERANCE, relative_error
@@ -163,6 +163,21 @@ def test_device_asserts_pass_valid_calls(case):
     _device_checks(case, call_args(case))
 
 
+# ----------------------------------------------------------------------------- stateful scenarios
+
+SCENARIO_RUNS = [(s, compiled) for s in SCENARIOS for compiled in ((False, True) if s.compiled else (False,))]
+
+
+@pytest.mark.parametrize("scenario, compiled_mode", SCENARIO_RUNS,
+                         ids=[f"{s.name} [{'compiled' if c else 'eager'}]" for s, c in SCENARIO_RUNS])
+def test_scenario(scenario, compiled_mode):
+    if isinstance(scenario.expect, Raises):
+        with pytest.raises(scenario.expect.type, match=re.escape(scenario.expect.text)):
+            scenario.run(compiled_mode)
+    else:
+        scenario.run(compiled_mode)
+
+
 # ----------------------------------------------------------------------------- the doc
 
 def _result(case, compiled_mode: bool) -> str:
@@ -179,14 +194,29 @@ def _result(case, compiled_mode: bool) -> str:
     return "the same, at compile time" if expect.at == "compile" else "the same, when the graph runs"
 
 
+def _scenario_result(scenario, compiled_mode: bool) -> str:
+    if compiled_mode and not scenario.compiled:
+        return "one mode: a host-side method, nothing to compile"
+    if compiled_mode:
+        return scenario.compiled_result or "the same, from the compiled step"
+    expect = scenario.expect
+    if isinstance(expect, Returns):
+        return expect.what
+    return f"{expect.type.__name__}: {expect.text}".replace("|", "\\|")
+
+
 def hostile_table_markdown() -> str:
     lines = [f"{len(CASES)} calls, each run eagerly and under `torch.compile(fullgraph=True)` on CPU by "
-             "`tests/test_hostile.py`.", "",
-             "| # | op | call | eager | compiled |", "|---|---|---|---|---|"]
+             f"`tests/test_hostile.py`, then {len(SCENARIOS)} stateful scenarios (a cache's methods, `generate()` "
+             "with a `PagedMLACache`), eager and with the decode steps compiled where they have a compiled form.",
+             "", "| # | op | call | eager | compiled |", "|---|---|---|---|---|"]
     for i, case in enumerate(CASES, 1):
         op = "decode" if case.op.startswith("paged_decode") else "append"
         name = case.name.replace("cache_append: ", "")
         lines.append(f"| {i} | {op} | {name} | {_result(case, False)} | {_result(case, True)} |")
+    for i, scenario in enumerate(SCENARIOS, len(CASES) + 1):
+        lines.append(f"| {i} | scenario | {scenario.name} | {_scenario_result(scenario, False)} | "
+                     f"{_scenario_result(scenario, True)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -198,6 +228,7 @@ def test_docs_reliability_md_lists_every_case():
 
 def test_the_table_is_long_and_every_name_is_unique():
     assert len(CASES) >= 70 and len({c.name for c in CASES}) == len(CASES)
+    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
 
 
 if __name__ == "__main__" and "--markdown" in sys.argv:
