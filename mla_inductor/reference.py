@@ -223,7 +223,9 @@ def paged_decode_reference(
              torch.zeros(T, H, L, device=device))
     inputs = (q_nope.float().contiguous(), q_pe.float().contiguous(), kv_cache, *index_inputs, kv_scale)
     row_max, total, acc = _run_chunks(step, num_static, num_chunks, state, inputs)
-    seen = total > 0  # a row with nothing to attend: out 0, lse -inf
+    # A row with nothing to attend: out 0, lse -inf. A NaN sum (NaN in q or in an attended key) stays NaN in
+    # out and lse: lse -inf would call the row empty, and a merge would drop it.
+    seen = total != 0
     out = acc / torch.where(seen, total, 1.0)[..., None]
     sign_scale = softmax_scale if softmax_scale >= 0 else -softmax_scale
     lse = torch.where(seen, torch.log(total) + row_max * sign_scale, float("-inf"))
