@@ -177,15 +177,19 @@ def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
 
 # The softmax_scale values each compiled function (Dynamo's frame id) was compiled for, per op and tensor
 # signature: {key: {(frame_compile_id, its tracing context): {scale, ...}}}.
-_COMPILED_SCALES: dict[tuple, dict[int, set]] = {}
+_COMPILED_SCALES: dict[tuple, dict[tuple, set]] = {}
+# How many values of softmax_scale one compiled function may be compiled for (a few models of one class, the
+# same shapes and different scales, share their forward's code), well below Dynamo's recompile limit.
+SCALES_PER_COMPILED_FUNCTION = 3
 
 
-def _one_scale_per_compiled_function(args: tuple, op: str) -> None:
-    """Refuse a recompile of a function for a ``softmax_scale`` its earlier compiles never took with these tensors.
+def _few_scales_per_compiled_function(args: tuple, op: str) -> None:
+    """Refuse a recompile of a function for one ``softmax_scale`` value too many with the same tensors.
 
-    Dynamo specializes a float argument on its value: every new value would recompile the whole function (a
-    compile per call) until its recompile limit fails with an error that names nothing of ours. The first new
-    value raises instead, saying what to do; the values compiled before keep running."""
+    Dynamo specializes a float argument on its value: a value that changes between calls recompiles the whole
+    function every call until Dynamo's recompile limit fails with an error that names nothing of ours. The
+    first value past ``SCALES_PER_COMPILED_FUNCTION`` raises instead, saying what to do; the values compiled
+    before keep running."""
     from torch._guards import CompileContext, TracingContext
 
     compile_id = CompileContext.current_compile_id()
@@ -198,18 +202,18 @@ def _one_scale_per_compiled_function(args: tuple, op: str) -> None:
     if compile_id.frame_compile_id == 0 and this_compile not in compiles:
         compiles.clear()  # a frame's first compile: what its id held before a torch._dynamo.reset() is gone
     earlier = set().union(*(scales for (c, _), scales in compiles.items() if c < compile_id.frame_compile_id))
-    if earlier and scale not in earlier:
-        fail(op, ValueError, f"softmax_scale changed between calls of one compiled function (compiled for "
-             f"{', '.join(map(str, sorted(earlier)))}, now {scale}): torch.compile specializes a float argument on "
-             f"its value and would compile once per value; keep softmax_scale constant (a model constant such as "
-             f"head_dim ** -0.5), or compile one function per value")
+    if len(earlier) >= SCALES_PER_COMPILED_FUNCTION and scale not in earlier:
+        fail(op, ValueError, f"softmax_scale changes between calls of one compiled function (compiled for "
+             f"{', '.join(map(str, sorted(earlier)))}; now {scale}): torch.compile specializes a float argument on "
+             f"its value and compiles the function again for each value; keep softmax_scale constant (a model "
+             f"constant such as head_dim ** -0.5), or compile one function per value")
     compiles.setdefault(this_compile, set()).add(scale)
 
 
 def _paged_decode_with_lse_fake(*args):
     with argument_errors_reach_the_user():
         check_decode_args(*args, op="paged_decode_with_lse")
-        _one_scale_per_compiled_function(args, "paged_decode_with_lse")
+        _few_scales_per_compiled_function(args, "paged_decode_with_lse")
     return empty_decode_outputs(args[0])
 
 
@@ -228,7 +232,7 @@ def _paged_decode(*args) -> Tensor:
 def _paged_decode_fake(*args):
     with argument_errors_reach_the_user():
         check_decode_args(*args)
-        _one_scale_per_compiled_function(args, "paged_decode")
+        _few_scales_per_compiled_function(args, "paged_decode")
     return empty_decode_outputs(args[0])[0]
 
 

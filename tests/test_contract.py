@@ -305,18 +305,26 @@ def test_a_compiled_call_whose_output_is_unused_still_checks_its_values():
         torch.compile(step, fullgraph=True)(*args)
 
 
-def test_a_softmax_scale_that_varies_between_compiled_calls_raises_once_saying_keep_it_constant():
-    """Dynamo compiles a float argument's value into the graph: a second value would recompile per value until
-    Dynamo's recompile limit. It raises at the second value instead; the first value's graph still runs."""
+def test_a_softmax_scale_that_varies_between_compiled_calls_raises_saying_keep_it_constant():
+    """Dynamo compiles a float argument's value into the graph: a value that changes every call would recompile
+    per call until Dynamo's recompile limit. A few values compile (models of one class with different scales
+    share their forward's code); the next raises, and the values compiled before keep running."""
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mla_inductor.ops import SCALES_PER_COMPILED_FUNCTION
 
     args = _decode_args()
     counter = CompileCounterWithBackend("inductor")
     step = torch.compile(lambda scale, *a: torch.ops.mla.paged_decode(*a[:5], scale, a[6]), backend=counter,
                          fullgraph=True)
     torch._dynamo.reset()
-    first = step(0.25, *args)
-    with pytest.raises(ValueError, match=r"^mla\.paged_decode: softmax_scale changed between calls of one compiled "
-                                         r"function \(compiled for 0\.25, now 0\.5\).*keep softmax_scale constant"):
-        step(0.5, *args)
-    assert torch.equal(step(0.25, *args), first) and counter.frame_count == 1
+    scales = [0.25 * (i + 1) for i in range(SCALES_PER_COMPILED_FUNCTION)]
+    first = step(scales[0], *args)
+    for scale in scales[1:]:
+        step(scale, *args)
+    compiled = counter.frame_count
+    with pytest.raises(ValueError, match=r"^mla\.paged_decode: softmax_scale changes between calls of one compiled "
+                                         r"function \(compiled for 0\.25, 0\.5, 0\.75; now 2\.0\).*keep "
+                                         r"softmax_scale constant"):
+        step(2.0, *args)
+    assert torch.equal(step(scales[0], *args), first) and counter.frame_count == compiled, "recompiled"
