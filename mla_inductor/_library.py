@@ -105,7 +105,7 @@ class EagerDirectPacket(op_packet_class()):
             grad = _grad_enabled()
             for a, kind in zip(args, kinds):
                 if type(a) not in kind or (grad and type(a) is _Tensor and a.requires_grad):
-                    break  # (a tensor needing grad: the dispatcher's autograd fallback decides what the output is)
+                    break  # (a tensor needing grad: the op's autograd formula, which refuses a backward)
             else:
                 return self._eager_impl(*args)
         self._refuse_tensor_floats(args, kwargs)
