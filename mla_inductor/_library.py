@@ -2,8 +2,10 @@
 
 The dispatcher then calls the Python implementation directly. ``torch.library.custom_op`` would add Python
 layers on every call (its autograd wrapper, the output alias checks), which cost several times the dispatch
-itself: these ops run once per layer and step, eagerly or from compiled code. No autograd formula:
-inference only.
+itself: these ops run once per layer and step, eagerly or from compiled code.
+
+The ops are inference-only: ``refuse_autograd`` gives an op an autograd formula whose backward raises (a
+clear error where PyTorch's fallback would give a silent ``None`` gradient, in eager and compiled mode).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from mla_inductor._compat import eager_call_reaches_kernel, op_packet_class, schema_arguments
+from mla_inductor._compat import (
+    argument_errors_reach_the_user,
+    eager_call_reaches_kernel,
+    op_packet_class,
+    schema_arguments,
+)
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
 # Ops whose implementation compiled code may call itself (``define_op(direct=True)``), and who wants to know.
@@ -34,7 +41,8 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     the arguments back to Python) was more than half of a no-op op's host cost per compiled call (7.7 -> 3.2
     µs on CPU, ``benchmarks/bench_host_overhead.py --stub``), as much as a short decode kernel's host work. Only
     for ops whose implementation takes the schema's arguments (positionally, or a defaulted one by name) and needs
-    nothing the dispatcher adds (they have no autograd, and run under the device guard the compiled code sets).
+    nothing the dispatcher adds (compiled graphs reach them after autograd, under the device guard the compiled
+    code sets).
 
     ``call_site(facts)``, for a direct op: a callable that computes ``impl``'s result for one call site of
     compiled code, given what the graph fixes there (``facts``: the schema's arguments, each tensor a
@@ -65,6 +73,8 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
         packet._eager_impl = impl
         packet._eager_kinds = kinds
         packet._eager_least = sum(not a.has_default_value() for a in arguments)
+        packet._eager_floats = tuple((i, a.name) for i, a in enumerate(arguments) if str(a.type) == "float")
+        packet._eager_name = qualname.replace("::", ".")
     if direct:
         _DIRECT_IMPLS[packet.default] = (impl, call_site)
         for watch in _DIRECT_WATCHERS:
@@ -95,10 +105,22 @@ class EagerDirectPacket(op_packet_class()):
             grad = _grad_enabled()
             for a, kind in zip(args, kinds):
                 if type(a) not in kind or (grad and type(a) is _Tensor and a.requires_grad):
-                    break  # (a tensor needing grad: the dispatcher's autograd fallback decides what the output is)
+                    break  # (a tensor needing grad: the op's autograd formula, which refuses a backward)
             else:
                 return self._eager_impl(*args)
+        self._refuse_tensor_floats(args, kwargs)
         return self._op(*args, **kwargs)
+
+    def _refuse_tensor_floats(self, args: tuple, kwargs: dict) -> None:
+        # The dispatcher would take a one-element tensor for a float argument (reading it on the host), but
+        # in a compiled graph it is a fake tensor it refuses: refused in both modes (Dynamo calls the packet
+        # with the fake one), as the TypeError that passes through Dynamo.
+        for i, name in self._eager_floats:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                with argument_errors_reach_the_user():
+                    raise TypeError(f"{self._eager_name}: {name} must be a Python float, got a tensor: pass "
+                                    f"float(t) (a compiled graph cannot hand a tensor to a float argument)")
 
 
 def direct_ops_watched() -> bool:
@@ -113,6 +135,50 @@ def watch_direct_ops(callback: Callable) -> None:
     _DIRECT_WATCHERS.append(callback)
     for op, (impl, call_site) in list(_DIRECT_IMPLS.items()):
         callback(op, impl, call_site)
+
+
+# ----------------------------------------------------------------------------- inference only
+
+def _backward_refused(grads: list, inputs: list, what: str) -> list:
+    raise RuntimeError(f"{what}: mla ops are inference-only, they have no backward; call them under "
+                       f"torch.no_grad() or torch.inference_mode(), or detach the inputs")
+
+
+def _backward_refused_fake(grads: list, inputs: list, what: str) -> list:
+    return [torch.empty_like(x) for x in inputs]
+
+
+# What the backward of every ``refuse_autograd`` op computes: an op, not a Python raise, so that a compiled
+# graph's backward (traced when the forward is compiled, run only if the caller asks for gradients) raises
+# when it runs, as the eager backward does; a forward that is never differentiated is unaffected. It takes the
+# incoming gradients so that the partitioner cannot move it into the forward graph.
+_BACKWARD_REFUSED = define_op("mla::backward_refused", "(Tensor[] grads, Tensor[] inputs, str what) -> Tensor[]",
+                              _backward_refused, _backward_refused_fake)
+
+
+def refuse_autograd(qualname: str, arg_names: tuple) -> None:
+    """Give the op ``qualname`` an autograd formula whose backward raises RuntimeError("mla.<op> (<the
+    arguments asking for a gradient>): mla ops are inference-only ..."). Calls without a tensor that requires
+    grad (``torch.no_grad``, ``inference_mode``, plain tensors) never reach it: their eager calls and compiled
+    graphs are unchanged."""
+    op_name = "mla." + qualname.split("::")[1]
+
+    def setup_context(ctx, inputs, output):
+        wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx.wanted = wanted
+        ctx.arity = len(inputs)
+        ctx.save_for_backward(*(inputs[i] for i in wanted))
+
+    def backward(ctx, *grads):
+        what = f"{op_name} (the gradient of {', '.join(arg_names[i] for i in ctx.wanted)})"
+        refused = _BACKWARD_REFUSED.default([g for g in grads if g is not None], list(ctx.saved_tensors), what)
+        result = [None] * ctx.arity
+        for i, g in zip(ctx.wanted, refused):
+            result[i] = g
+        return tuple(result)
+
+    torch.library.register_autograd(qualname, backward, setup_context=setup_context,
+                                    lib=_LIBRARIES[qualname.split("::")[0]])
 
 
 # ----------------------------------------------------------------------------- call sites

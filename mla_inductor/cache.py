@@ -71,14 +71,17 @@ def token_width(fmt: str, kv_lora_rank: int, rope_dim: int) -> int:
 def pack_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
     """[..., 576] latent|rope (any float dtype) -> [..., 656] uint8 in the fp8_ds_mla layout.
 
-    Each 128-value latent tile gets the scale amax / 448 (the largest value maps to e4m3's largest
-    finite value), floored at a tiny positive number so an all-zero tile stays zero, not NaN.
+    Each 128-value latent tile gets the scale amax / 448 (the largest finite magnitude maps to e4m3's
+    largest finite value), floored at a tiny positive number so an all-zero tile stays zero, not NaN. Like
+    the fp8_e4m3 format, a non-finite value touches only itself: ±inf saturates at ±448 · scale, NaN stays
+    NaN, and the tile's other values keep their scale.
     """
     if rows.shape[-1] != FP8_DS_MLA_LATENT + FP8_DS_MLA_ROPE:
         raise ValueError(f"rows must end in 576 = 512 latent + 64 rope values, got {tuple(rows.shape)}")
     lead = rows.shape[:-1]
     latent = rows[..., :FP8_DS_MLA_LATENT].float().reshape(*lead, 4, FP8_DS_MLA_TILE)
-    scale = (latent.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    finite = torch.where(torch.isfinite(latent), latent.abs(), 0.0)
+    scale = (finite.amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q8 = (latent / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     rope = rows[..., FP8_DS_MLA_LATENT:].to(torch.bfloat16)
     return torch.cat(

@@ -121,9 +121,9 @@ def _check_dtype(op, name, t, allowed, what):
         fail(op, TypeError, f"{name} must have dtype {what}, got {t.dtype}")
 
 
-def _check_device(op, name, t, device):
+def _check_device(op, name, t, device, like="q_nope"):
     if t.device != device:
-        fail(op, ValueError, f"{name} must be on {device} like q_nope, got {t.device}")
+        fail(op, ValueError, f"{name} must be on {device} like {like}, got {t.device}")
 
 
 def _check_last_dim_contiguous(op, name, t):
@@ -148,18 +148,18 @@ def _check_cache_rows(op, kv_cache, L, R):
     return fmt
 
 
-def _check_scale(op, name, scale, device, what):
+def _check_scale(op, name, scale, device, what, like="q_nope"):
     if not isinstance(scale, torch.Tensor):
         fail(op, TypeError, f"{name} must be a float32 tensor with one element ({what}), got "
               f"{type(scale).__name__}")
     if scale.dtype != torch.float32 or scale.numel() != 1:
         fail(op, TypeError, f"{name} must be a float32 tensor with one element, got dtype "
               f"{scale.dtype} and shape {tuple(scale.shape)}")
-    _check_device(op, name, scale, device)
+    _check_device(op, name, scale, device, like)
 
 
-def _check_kv_scale(op, kv_scale, device):
-    _check_scale(op, "kv_scale", kv_scale, device, "1.0 unless the cache is fp8")
+def _check_kv_scale(op, kv_scale, device, like="q_nope"):
+    _check_scale(op, "kv_scale", kv_scale, device, "1.0 unless the cache is fp8", like)
 
 
 def check_decode_args(
@@ -373,7 +373,7 @@ def check_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale) -> str:
     if slot_mapping.shape[0] != N:
         fail(op, ValueError, f"slot_mapping must be [N={N}] (one slot per new token), got shape "
               f"{tuple(slot_mapping.shape)}")
-    _check_kv_scale(op, kv_scale, kv_cache.device)
+    _check_kv_scale(op, kv_scale, kv_cache.device, like="kv_cache")
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping)):
         if t.device != kv_cache.device:
             fail(op, ValueError, f"{name} must be on {kv_cache.device} like kv_cache, got {t.device}")

@@ -52,7 +52,7 @@ from mla_inductor.backends._common import tensor_state
 from mla_inductor.cache import (PagedLatentCache, cache_dtype, fp8_scale_for, host_lengths, register_host_lengths,
                                 token_width)
 from mla_inductor.contract import being_captured
-from mla_inductor.merge import clean_lse
+from mla_inductor.merge import merge_weights
 
 Tensor = torch.Tensor
 EXCHANGES = ("ag_rs", "a2a")
@@ -273,13 +273,10 @@ def _merge_by_all_gather_reduce_scatter(out: Tensor, lse: Tensor, dcp: DCPGroup)
     """[T, N·h, L] partial out + [T, N·h] LSE of this rank -> this rank's h heads, merged over ranks."""
     N, rank = dcp.world_size, dcp.layout.rank
     T, H, L = out.shape
-    lses = clean_lse(all_gather(lse, 0, dcp.group).view(N, T, H))
-    top = lses.amax(0)
-    top = torch.where(top == float("-inf"), 0.0, top)
-    merged_lse = torch.log(torch.exp(lses - top).sum(0)) + top
-    # An empty shard (lse -inf) weighs 0 and its output is not read; an all-empty row gives -inf - -inf.
-    mine = lses[rank]
-    weight = torch.where(mine == float("-inf"), 0.0, torch.exp(mine - merged_lse))
+    # The merge's own weights (merge.merge_weights: its lse convention, +inf and -inf included).
+    weights, merged_lse = merge_weights(all_gather(lse, 0, dcp.group).view(N, T, H).unbind(0))
+    # An empty shard weighs 0 and its output is not read.
+    weight = weights[rank]
     part = torch.where((weight == 0)[..., None], 0.0, out.float() * weight[..., None]).to(out.dtype)
     # Head block j goes to rank j: lay the blocks out along dim 0 so the collective scatters without a copy.
     h = H // N

@@ -13,10 +13,20 @@ Shapes (T query rows, H heads, L value width, N parts):
     out [T, H, L] in the outputs' dtype (fp32 / fp16 / bf16), lse [T, H] fp32
 
 LSEs are natural logs, as ``mla.paged_decode_with_lse`` and FlashMLA return them (convert a base-2 LSE,
-FlashInfer's default, by multiplying with ln 2 first). A part that saw no key is *empty*: its LSE is
--inf (ours, FA3), +inf (FA2) or NaN; all three count as -inf, and an empty part's output is ignored
-(it may hold garbage). A row whose parts are all empty gets out 0 and lse -inf, as the decode op gives
-a row that sees no key. Math in fp32.
+FlashInfer's default, by multiplying with ln 2 first). The LSE convention is the decode op's
+(docs/contract.md, "Partial results and their merge"), so that merging the results of a call split in
+parts gives the unsplit call's result:
+
+- a finite LSE weighs its part by ``exp(lse_i - lse)``;
+- ``-inf``: the part saw no key (*empty*); its output is ignored (it may hold garbage). NaN counts as
+  ``-inf`` (what some kernels write for an empty part);
+- ``+inf``: the part's sum of exponentials overflowed float32 (the decode op returns it for a huge
+  ``softmax_scale``): it outweighs every finite part, and parts that all have ``+inf`` weigh the same
+  (their true ratio is lost to the overflow). The merged LSE is then ``+inf``. FlashAttention-2 writes
+  ``+inf`` for an empty part: convert such LSEs to ``-inf`` before merging.
+
+A row whose parts are all empty gets out 0 and lse -inf, as the decode op gives a row that sees no key.
+Math in fp32; the caller's ``torch.autocast`` does not change it.
 
 Eager calls run a Triton kernel on CUDA (``mla_inductor.kernels.merge_attn_states``) and the plain
 PyTorch reference (``merge_reference``) elsewhere; with ``mla_inductor.lowering`` installed, a compiled
@@ -29,7 +39,9 @@ from typing import Sequence
 
 import torch
 
-from mla_inductor._library import define_op
+from mla_inductor._compat import argument_errors_reach_the_user
+from mla_inductor._library import define_op, refuse_autograd
+from mla_inductor.reference import autocast_off
 
 Tensor = torch.Tensor
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,9 +101,29 @@ def check_merge_n_args(outs, lses) -> None:
 
 
 def clean_lse(lse: Tensor) -> Tensor:
-    """+inf (FA2's empty part) and NaN count as -inf (an empty part)."""
+    """The LSE in fp32, NaN counted as -inf (an empty part)."""
     lse = lse.float()
-    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+    return torch.where(torch.isnan(lse), float("-inf"), lse)
+
+
+def merge_weights(lses: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """Each part's weight in the merge, ``exp(lse_i - lse)`` (fp32 [T, H], 0 for an empty part; parts with
+    lse +inf share the whole weight), and the merged lse (fp32 [T, H]); the module docstring has the rules."""
+    clean = [clean_lse(x) for x in lses]
+    top = clean[0]
+    for x in clean[1:]:
+        top = torch.maximum(top, x)
+    # A finite top shifts the exponents; an infinite one does not (all empty: every exp(-inf) is 0; +inf:
+    # the +inf parts count 1 each and every finite part 0).
+    shift = torch.where(torch.isinf(top), 0.0, top)
+    overflowed = top == float("inf")
+    weights = [torch.where(overflowed, (x == float("inf")).float(), torch.exp(x - shift)) for x in clean]
+    total = weights[0]
+    for w in weights[1:]:
+        total = total + w
+    lse = torch.log(total) + top  # -inf for an all-empty row (log 0 + -inf), +inf where a part overflowed
+    inv_total = 1.0 / torch.where(total == 0, 1.0, total)
+    return [w * inv_total for w in weights], lse
 
 
 def merge_reference(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -99,22 +131,11 @@ def merge_reference(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
 
     Takes sequences (``tensor.unbind(0)`` of a stacked tensor costs no copy), so two parts need no stack.
     """
-    clean = [clean_lse(x) for x in lses]
-    top = clean[0]
-    for x in clean[1:]:
-        top = torch.maximum(top, x)
-    # All parts empty: shift by 0, so every weight is exp(-inf) = 0 rather than exp(NaN).
-    top = torch.where(top == float("-inf"), 0.0, top)
-    weights = [torch.exp(x - top) for x in clean]
-    total = weights[0]
-    for w in weights[1:]:
-        total = total + w
-    lse = torch.log(total) + top  # log(0) = -inf for an all-empty row
-    inv_total = 1.0 / torch.where(total == 0, 1.0, total)
+    weights, lse = merge_weights(lses)
     out = None
     for part, w in zip(outs, weights):
-        # An empty part's output is never read: it may be anything, NaN included.
-        term = torch.where((w == 0)[..., None], 0.0, part.float() * (w * inv_total)[..., None])
+        # A part of weight 0 (empty) is never read: its output may be anything, NaN included.
+        term = torch.where((w == 0)[..., None], 0.0, part.float() * w[..., None])
         out = term if out is None else out + term
     return out.to(outs[0].dtype), lse
 
@@ -135,12 +156,14 @@ def _merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tenso
         from mla_inductor.kernels.merge_attn_states import triton_merge_two
 
         return triton_merge_two(out_a, lse_a, out_b, lse_b)
-    out, lse = merge_reference([out_a, out_b], [lse_a, lse_b])
+    with autocast_off(out_a):
+        out, lse = merge_reference([out_a, out_b], [lse_a, lse_b])
     return out.contiguous(), lse.contiguous()
 
 
 def _merge_attn_states_fake(out_a, lse_a, out_b, lse_b):
-    check_merge_args(out_a, lse_a, out_b, lse_b)
+    with argument_errors_reach_the_user():
+        check_merge_args(out_a, lse_a, out_b, lse_b)
     return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
         lse_a, memory_format=torch.contiguous_format)
 
@@ -158,15 +181,20 @@ def _merge_attn_states_n(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         from mla_inductor.kernels.merge_attn_states import triton_merge_stacked
 
         return triton_merge_stacked(outs, lses)
-    out, lse = merge_reference(outs.unbind(0), lses.unbind(0))
+    with autocast_off(outs):
+        out, lse = merge_reference(outs.unbind(0), lses.unbind(0))
     return out.contiguous(), lse.contiguous()
 
 
 def _merge_attn_states_n_fake(outs, lses):
-    check_merge_n_args(outs, lses)
+    with argument_errors_reach_the_user():
+        check_merge_n_args(outs, lses)
     _, T, H, L = outs.shape
     return outs.new_empty((T, H, L)), lses.new_empty((T, H))
 
 
 merge_attn_states_n = define_op("mla::merge_attn_states_n", "(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
                                 _merge_attn_states_n, _merge_attn_states_n_fake, direct=True)
+
+refuse_autograd("mla::merge_attn_states", ("out_a", "lse_a", "out_b", "lse_b"))
+refuse_autograd("mla::merge_attn_states_n", ("outs", "lses"))

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from mla_inductor._compat import argument_errors_reach_the_user, current_cuda_device, tensor_properties_check
-from mla_inductor._library import define_op
+from mla_inductor._library import define_op, refuse_autograd
 from mla_inductor._memo import Memo
 from mla_inductor.contract import (
     OP_ARG_NAMES,
@@ -38,12 +38,15 @@ from mla_inductor.contract import (
     check_decode_values,
     checks_on_device,
     empty_decode_outputs,
+    fail,
     nothing_attended,
     wants_value_checks,
 )
+from mla_inductor.reference import autocast_off
 from mla_inductor.selection import backend_for_append, backend_for_eager, selection_state
 
 Tensor = torch.Tensor
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 # ----------------------------------------------------------------------------- decode
@@ -151,6 +154,13 @@ def _decode(op: str, with_lse: bool, args: tuple):
     if call.attends_nothing:
         out, lse = nothing_attended(q_nope)
         return (out, lse) if with_lse else out
+    if _any_autocast():  # the caller's autocast region does not change the contract's precision
+        with autocast_off(q_nope):
+            return _run(call, args)
+    return _run(call, args)
+
+
+def _run(call: _EagerCall, args: tuple):
     # softmax_scale reaches us as a float (the schema's type; the key holds it), so the run takes args as given.
     if call.cuda_index >= 0 and current_cuda_device() != call.cuda_index:
         # Kernels launch on the current device (Triton's, FlashMLA's streams): make it the tensors' one, as
@@ -165,9 +175,45 @@ def _paged_decode_with_lse(*args) -> tuple[Tensor, Tensor]:
     return _decode("paged_decode_with_lse", True, args)
 
 
+# The softmax_scale values each compiled function (Dynamo's frame id) was compiled for, per op and tensor
+# signature: {key: {(frame_compile_id, its tracing context): {scale, ...}}}.
+_COMPILED_SCALES: dict[tuple, dict[tuple, set]] = {}
+# How many values of softmax_scale one compiled function may be compiled for (a few models of one class, the
+# same shapes and different scales, share their forward's code), well below Dynamo's recompile limit.
+SCALES_PER_COMPILED_FUNCTION = 3
+
+
+def _few_scales_per_compiled_function(args: tuple, op: str) -> None:
+    """Refuse a recompile of a function for one ``softmax_scale`` value too many with the same tensors.
+
+    Dynamo specializes a float argument on its value: a value that changes between calls recompiles the whole
+    function every call until Dynamo's recompile limit fails with an error that names nothing of ours. The
+    first value past ``SCALES_PER_COMPILED_FUNCTION`` raises instead, saying what to do; the values compiled
+    before keep running."""
+    from torch._guards import CompileContext, TracingContext
+
+    compile_id = CompileContext.current_compile_id()
+    scale = args[5]
+    if compile_id is None or type(scale) is not float:
+        return
+    key = (compile_id.frame_id, op, *((str(a.shape), a.dtype, a.device) for a in args if isinstance(a, Tensor)))
+    compiles = _COMPILED_SCALES.setdefault(key, {})
+    this_compile = (compile_id.frame_compile_id, id(TracingContext.try_get()))
+    if compile_id.frame_compile_id == 0 and this_compile not in compiles:
+        compiles.clear()  # a frame's first compile: what its id held before a torch._dynamo.reset() is gone
+    earlier = set().union(*(scales for (c, _), scales in compiles.items() if c < compile_id.frame_compile_id))
+    if len(earlier) >= SCALES_PER_COMPILED_FUNCTION and scale not in earlier:
+        fail(op, ValueError, f"softmax_scale changes between calls of one compiled function (compiled for "
+             f"{', '.join(map(str, sorted(earlier)))}; now {scale}): torch.compile specializes a float argument on "
+             f"its value and compiles the function again for each value; keep softmax_scale constant (a model "
+             f"constant such as head_dim ** -0.5), or compile one function per value")
+    compiles.setdefault(this_compile, set()).add(scale)
+
+
 def _paged_decode_with_lse_fake(*args):
     with argument_errors_reach_the_user():
         check_decode_args(*args, op="paged_decode_with_lse")
+        _few_scales_per_compiled_function(args, "paged_decode_with_lse")
     return empty_decode_outputs(args[0])
 
 
@@ -186,11 +232,19 @@ def _paged_decode(*args) -> Tensor:
 def _paged_decode_fake(*args):
     with argument_errors_reach_the_user():
         check_decode_args(*args)
+        _few_scales_per_compiled_function(args, "paged_decode")
     return empty_decode_outputs(args[0])[0]
 
 
 paged_decode = define_op("mla::paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake,
                          eager_direct=True)
+
+for _qualname in ("mla::paged_decode", "mla::paged_decode_with_lse"):
+    refuse_autograd(_qualname, OP_ARG_NAMES)
+    # A call whose output is unused still checks its arguments' values, in compiled graphs as in eager calls:
+    # dead-code elimination (Dynamo's, AOTAutograd's) must keep it for the pass, which puts the value checks
+    # before it (``torch.fx.node.has_side_effect``; once rewritten, an unused kernel call may go).
+    torch.fx.node.has_side_effect(getattr(torch.ops.mla, _qualname.split("::")[1]).default)
 
 
 # ----------------------------------------------------------------------------- cache_append

@@ -14,7 +14,8 @@ one call per sequence) where it takes the call: CUDA, fp16/bf16, head dims (Dqk,
 DeepSeek's (192, 128), strides and pointers 16-byte aligned; its FA3 kernels on SM90, FA2 elsewhere. Torch's
 sdpa otherwise (CPU, fp32, other head dims, FlashInfer not installed). Torch's sdpa has no flash kernel for
 Dqk != Dv, so on a GPU DeepSeek's dims otherwise run its memory-efficient kernel. FlashInfer builds each
-kernel on its first use; one whose first call fails is left for sdpa, with a warning (``FlashInferBuilds``).
+kernel on its first use; one that cannot be imported, built or loaded is left for sdpa, with a warning
+(``FlashInferBuilds``); any other error of a call propagates.
 
 Importing this module registers the op (``mla_inductor.hf`` does); FlashInfer is imported on the first call
 it takes. The fake impl lets ``torch.compile`` keep the op in its graph.
@@ -101,10 +102,10 @@ def _module_key(kernel: str, q: Tensor, v: Tensor) -> tuple:
 
 class FlashInferBuilds:
     """FlashInfer builds each prefill kernel on its first use (JIT, minutes on a machine without its prebuilt
-    cache; impossible without a CUDA compiler). A kernel whose first call fails because it cannot run here
-    (``kernel_unusable``) is not called again: its calls go to sdpa, with one warning naming the error. Out
-    of memory or a CUDA error that breaks the device propagates, and a kernel that has run once is never
-    disabled (a later failure is a real error and propagates)."""
+    cache; impossible without a CUDA compiler). A kernel whose first call fails because it cannot be imported,
+    built or loaded here (``kernel_unusable``) is not called again: its calls go to sdpa, with one warning
+    naming the error. Any other error (out of memory, a CUDA error, the library refusing this call) is this
+    call's failure: it propagates and the kernel stays on, and a kernel that has run once is never disabled."""
 
     def __init__(self):
         self.ran: set[tuple] = set()
@@ -122,8 +123,9 @@ class FlashInferBuilds:
             if not kernel_unusable(e):
                 raise
             self.errors[key] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"mla.prefill_attention: FlashInfer's prefill kernel {key} failed on its first call "
-                          f"({self.errors[key]}); its calls run torch's sdpa instead", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"mla.prefill_attention: FlashInfer's prefill kernel {key} cannot be built or loaded "
+                          f"here ({self.errors[key]}); its calls run torch's sdpa instead", RuntimeWarning,
+                          stacklevel=3)
             return fallback()
         self.ran.add(key)
         return out
@@ -132,22 +134,34 @@ class FlashInferBuilds:
 FLASHINFER_BUILDS = FlashInferBuilds()
 
 
-# CUDA errors after which the context is broken (sticky: every later call fails, sdpa too) or that report
-# this call's own bad memory access. Other CUDA errors on a first call ("no kernel image is available",
-# "invalid device function", "too many resources requested for launch") say the kernel cannot run on this GPU.
-STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "device-side assert", "unspecified launch failure",
-                      "misaligned address", "an illegal instruction")
+# CUDA errors that say a loaded module has no build for this GPU: the kernel cannot run here, on any call.
+NO_BUILD_FOR_THIS_GPU = ("no kernel image is available", "invalid device function")
+# Where FlashInfer builds and loads its JIT modules (flashinfer/jit/: ninja, nvcc, the module loader).
+_FLASHINFER_BUILD_CODE = "/flashinfer/jit/"
 
 
 def kernel_unusable(error: Exception) -> bool:
-    """Whether a kernel's first call failed because the kernel cannot run here (its JIT build or load failed,
-    no build for this GPU, the library refused the configuration) rather than because this call did: out of
-    memory, or a CUDA error that leaves the device in error for sdpa too. Only the first kind switches the
-    kernel off."""
+    """Whether a kernel's first call failed because the kernel cannot run here: FlashInfer (or a module it
+    needs) does not import, its JIT build or load failed (raised from FlashInfer's ``jit`` package), or the
+    module has no build for this GPU. Anything else, out of memory first of all, is the call's own failure."""
     if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return False
-    message = str(error)
-    return not any(sticky in message for sticky in STICKY_CUDA_ERRORS)
+    if isinstance(error, ImportError) or any(text in str(error) for text in NO_BUILD_FOR_THIS_GPU):
+        return True
+    return _raised_by_flashinfer_build(error)
+
+
+def _raised_by_flashinfer_build(error: BaseException) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        frame = error.__traceback__
+        while frame is not None:
+            if _FLASHINFER_BUILD_CODE in frame.tb_frame.f_code.co_filename.replace("\\", "/"):
+                return True
+            frame = frame.tb_next
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _aligned(t: Tensor) -> bool:

@@ -26,6 +26,7 @@ count, every chunk masked: no device->host read, in eager calls and in graphs (w
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Optional
 
 import torch
@@ -40,6 +41,16 @@ Tensor = torch.Tensor
 # [Q*H] logits of each position. At B=64, L+R=576 that is about 10 MB of fp32 keys per chunk.
 CHUNK_POSITIONS = 64
 CHUNK_POSITIONS_GPU = 1024
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def autocast_off(t: Tensor):
+    """A context that turns the caller's ``torch.autocast`` off on ``t``'s device type for an eager call: the
+    contract fixes the math's precision (fp32), whatever region the call is made in (a compiled call traces the
+    reference outside the caller's region already). A no-op context where no autocast is on."""
+    return torch.autocast(t.device.type, enabled=False) if _any_autocast() else contextlib.nullcontext()
 
 
 def _ceil_div(a, b):
@@ -212,7 +223,9 @@ def paged_decode_reference(
              torch.zeros(T, H, L, device=device))
     inputs = (q_nope.float().contiguous(), q_pe.float().contiguous(), kv_cache, *index_inputs, kv_scale)
     row_max, total, acc = _run_chunks(step, num_static, num_chunks, state, inputs)
-    seen = total > 0  # a row with nothing to attend: out 0, lse -inf
+    # A row with nothing to attend: out 0, lse -inf. A NaN sum (NaN in q or in an attended key) stays NaN in
+    # out and lse: lse -inf would call the row empty, and a merge would drop it.
+    seen = total != 0
     out = acc / torch.where(seen, total, 1.0)[..., None]
     sign_scale = softmax_scale if softmax_scale >= 0 else -softmax_scale
     lse = torch.where(seen, torch.log(total) + row_max * sign_scale, float("-inf"))

@@ -212,3 +212,119 @@ def test_compile_errors_without_fullgraph_raise_the_eager_error_then_good_calls_
     with pytest.raises(ValueError, match=r"^mla\.paged_decode: q_pe must be \[T=2, H=3, R\]"):
         step(**bad)
     assert torch.equal(step(**a), torch.ops.mla.paged_decode(**a) * 2) and counter.frame_count == 1
+
+
+# ----------------------------------------------------------------------------- inference only, autocast, misuse
+
+
+def _decode_args(**kw):
+    return small_inputs(seq_lens=[5, 9], q_dtype=torch.float32, **kw).args()[:7]
+
+
+def _merge_args():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, generator=g), torch.randn(2, 3, 8, generator=g), \
+        torch.randn(2, 3, generator=g)
+
+
+INFERENCE_ONLY = {
+    "paged_decode": (lambda q, a: torch.ops.mla.paged_decode(q, *a[1:]), _decode_args, "q_nope"),
+    "paged_decode_with_lse": (lambda q, a: torch.ops.mla.paged_decode_with_lse(q, *a[1:])[0], _decode_args, "q_nope"),
+    "merge_attn_states": (lambda q, a: torch.ops.mla.merge_attn_states(q, *a[1:])[0], _merge_args, "out_a"),
+    "merge_attn_states_n": (lambda q, a: torch.ops.mla.merge_attn_states_n(torch.stack([q, a[2]]),
+                                                                           torch.stack([a[1], a[3]]))[0],
+                            _merge_args, "outs"),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("op", sorted(INFERENCE_ONLY))
+def test_backward_through_an_op_raises_inference_only(op, compiled):
+    """Never a silent None gradient: the forward runs (and matches a call without grad), the backward raises
+    naming the op and the argument asking for a gradient."""
+    call, make, arg = INFERENCE_ONLY[op]
+    args = make()
+    fn = torch.compile(call, fullgraph=True) if compiled else call
+    q = args[0].clone().requires_grad_()
+    out = fn(q, args)
+    with torch.no_grad():
+        assert torch.allclose(out, call(args[0], args), rtol=1e-5, atol=1e-6)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=rf"^mla\.{op} \(the gradient of {arg}\): mla ops are inference-only"):
+        out.sum().backward()
+    assert q.grad is None
+
+
+def test_calls_without_grad_are_unchanged_and_their_graphs_have_no_backward():
+    from torch._inductor.utils import run_and_get_code
+
+    args = _decode_args()
+    want = torch.ops.mla.paged_decode(*args)
+    q = args[0].clone().requires_grad_()
+    with torch.no_grad():
+        assert torch.equal(torch.ops.mla.paged_decode(q, *args[1:]), want)
+    with torch.inference_mode():
+        assert torch.equal(torch.ops.mla.paged_decode(q, *args[1:]), want)
+    out = torch.ops.mla.paged_decode(*args)  # grad mode on, nothing requires grad
+    assert torch.equal(out, want) and out.grad_fn is None
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(lambda *a: torch.ops.mla.paged_decode(*a), fullgraph=True), *args)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6) and out.grad_fn is None
+    assert not any("backward_refused" in code for code in codes)
+
+
+@pytest.mark.parametrize("op", ["decode", "merge"])
+def test_eager_cpu_calls_ignore_the_callers_autocast(op):
+    """An fp32 call made inside ``torch.autocast`` computes in fp32, as the compiled call does."""
+    if op == "decode":
+        args = _decode_args()
+        call = lambda: torch.ops.mla.paged_decode_with_lse(*args)  # noqa: E731
+    else:
+        args = _merge_args()
+        call = lambda: torch.ops.mla.merge_attn_states(*args)  # noqa: E731
+    want = call()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = call()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_compiled_call_whose_output_is_unused_still_checks_its_values():
+    """Eager raises for seq_len past the block table; so does the compiled function that drops the output."""
+    args = list(_decode_args())
+    args[4] = torch.tensor([5, 21], dtype=torch.int32)
+
+    def step(*a):
+        torch.ops.mla.paged_decode_with_lse(*a)
+        return a[0] * 2
+
+    message = r"^mla\.paged_decode_with_lse: seq_lens must lie in \[0, max_pages \* page_size = 12\]"
+    with pytest.raises(ValueError, match=message):
+        step(*args)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=message):
+        torch.compile(step, fullgraph=True)(*args)
+
+
+def test_a_softmax_scale_that_varies_between_compiled_calls_raises_saying_keep_it_constant():
+    """Dynamo compiles a float argument's value into the graph: a value that changes every call would recompile
+    per call until Dynamo's recompile limit. A few values compile (models of one class with different scales
+    share their forward's code); the next raises, and the values compiled before keep running."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mla_inductor.ops import SCALES_PER_COMPILED_FUNCTION
+
+    args = _decode_args()
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(lambda scale, *a: torch.ops.mla.paged_decode(*a[:5], scale, a[6]), backend=counter,
+                         fullgraph=True)
+    torch._dynamo.reset()
+    scales = [0.25 * (i + 1) for i in range(SCALES_PER_COMPILED_FUNCTION)]
+    first = step(scales[0], *args)
+    for scale in scales[1:]:
+        step(scale, *args)
+    compiled = counter.frame_count
+    with pytest.raises(ValueError, match=r"^mla\.paged_decode: softmax_scale changes between calls of one compiled "
+                                         r"function \(compiled for 0\.25, 0\.5, 0\.75; now 2\.0\).*keep "
+                                         r"softmax_scale constant"):
+        step(2.0, *args)
+    assert torch.equal(step(scales[0], *args), first) and counter.frame_count == compiled, "recompiled"

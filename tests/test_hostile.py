@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import mla_inductor  # noqa: F401 - registers the ops
-from hostile_cases import APPEND_ARGS, CASES, DECODE_ARGS, SCENARIOS, Raises, Returns, base_args
+from hostile_cases import ARG_NAMES, CASES, SCENARIOS, Raises, Returns, base_args
 from mla_inductor.cache import FP8_E4M3_MAX
 from mla_inductor.contract import assert_append_values_on_device, assert_decode_values_on_device
 from mla_inductor.testing import TOLERANCE, relative_error
-from naive import naive_decode
+from naive import naive_decode, rows_as_float64
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "reliability.md"
@@ -32,8 +32,7 @@ BEGIN, END = "<!-- generated: python tests/test_hostile.py --markdown -->\n", "<
 def call_args(case) -> tuple:
     a = base_args(case.base)
     case.edit(a)
-    names = APPEND_ARGS if case.op == "cache_append" else DECODE_ARGS
-    return tuple(a[n] for n in names)
+    return tuple(a[n] for n in ARG_NAMES[case.op])
 
 
 def run_op(op: str, *args):
@@ -84,23 +83,98 @@ def expect_raises(case, run, compiled_mode: bool):
         assert isinstance(info.value, Unsupported) == (expect.at == "compile"), (expect.at, type(info.value))
 
 
+def close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> float:
+    """``relative_error`` where NaN must sit exactly where the oracle has NaN (a NaN in an attended row reaches
+    the rows that attend it, and no other); inf where NaN positions differ."""
+    nan = expected.isnan()
+    if not torch.equal(actual.isnan(), nan):
+        return float("inf")
+    return relative_error(actual[~nan], expected[~nan])
+
+
 def check_decode_result(case, args, result):
-    out, lse = result
+    out, lse = result if case.op == "paged_decode_with_lse" else (result, None)
     q_nope = args[0]
     T, H, L = q_nope.shape
     assert out.shape == (T, H, L) and out.dtype == q_nope.dtype and out.is_contiguous()
-    assert lse.shape == (T, H) and lse.dtype == torch.float32 and lse.is_contiguous()
+    if lse is not None:
+        assert lse.shape == (T, H) and lse.dtype == torch.float32 and lse.is_contiguous()
     if case.expect.check == "empty":
         assert T == 0
         return
     want_out, want_lse = naive_decode(*args[:8])
     tol = TOLERANCE[q_nope.dtype]
-    assert relative_error(out, want_out.to(out.dtype)) < tol, relative_error(out, want_out.to(out.dtype))
-    assert relative_error(lse, want_lse.float()) < tol, relative_error(lse, want_lse.float())
+    assert close(out, want_out.to(out.dtype), tol) < tol, close(out, want_out.to(out.dtype), tol)
+    if lse is not None:
+        assert close(lse, want_lse.float(), tol) < tol, close(lse, want_lse.float(), tol)
+
+
+def naive_merge(outs: list, lses: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge as docs/contract.md defines it, one (row, head) at a time in float64: NaN lse = -inf = an
+    empty part (its output unread); parts of lse +inf share the whole weight equally; else ``exp(lse_i - lse)``."""
+    T, H, L = outs[0].shape
+    out, lse = torch.zeros(T, H, L, dtype=torch.float64), torch.full((T, H), float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            parts = [(float(x[t, h]), o[t, h].double()) for x, o in zip(lses, outs)]
+            parts = [(x, o) for x, o in parts if x == x and x != float("-inf")]
+            if not parts:
+                continue
+            top = max(x for x, _ in parts)
+            if top == float("inf"):
+                chosen = [o for x, o in parts if x == top]
+                out[t, h], lse[t, h] = sum(chosen) / len(chosen), top
+                continue
+            weights = [torch.exp(torch.tensor(x - top, dtype=torch.float64)) for x, _ in parts]
+            total = sum(weights)
+            out[t, h] = sum(w * o for w, (_, o) in zip(weights, parts)) / total
+            lse[t, h] = top + torch.log(total)
+    return out, lse
+
+
+def check_merged(case, args, result):
+    out, lse = result
+    outs, lses = (args[0].unbind(0), args[1].unbind(0)) if case.op == "merge_attn_states_n" else (args[0::2],
+                                                                                                 args[1::2])
+    T, H, L = outs[0].shape
+    assert out.shape == (T, H, L) and out.dtype == outs[0].dtype and out.is_contiguous()
+    assert lse.shape == (T, H) and lse.dtype == torch.float32 and lse.is_contiguous()
+    want_out, want_lse = naive_merge(outs, lses)
+    tol = TOLERANCE[out.dtype]
+    assert close(out, want_out.to(out.dtype), tol) < tol, close(out, want_out.to(out.dtype), tol)
+    assert close(lse, want_lse.float(), 1e-6) < 1e-6, close(lse, want_lse.float(), 1e-6)
+
+
+def check_appended_fp8_ds_mla(args, before: torch.Tensor):
+    """Rows not listed keep their bytes; each written row decodes to its values: every 128-value tile in e4m3
+    to within its step, scaled by the amax of the tile's finite values, ±inf saturated at ±that amax, NaN as
+    NaN; the rope in bf16."""
+    kv_cache, kv_c, k_pe, slot_mapping, _ = args
+    flat, old = kv_cache.view(-1, kv_cache.shape[-1]), before.view(-1, before.shape[-1])
+    listed = {int(s) for s in slot_mapping.tolist() if s >= 0}
+    for slot in range(flat.shape[0]):
+        if slot not in listed:
+            assert torch.equal(flat[slot], old[slot]), f"slot {slot} was not listed but changed"
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        got = rows_as_float64(flat[slot:slot + 1], None)[0]
+        latent = kv_c[i].double().view(-1, 128)
+        amax = torch.where(torch.isfinite(latent), latent.abs(), 0.0).amax(-1, keepdim=True)
+        scale = (amax / 448).clamp_min(torch.finfo(torch.float32).tiny)  # an all-zero tile stays zero
+        top = 448 * scale
+        want = torch.cat([torch.maximum(torch.minimum(latent, top), -top).flatten(), k_pe[i].double()])
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), "NaN where the value was NaN, and nowhere else"
+        step = torch.cat([(scale * 2**-6).expand(-1, 128).flatten(), torch.zeros(k_pe.shape[1])])
+        bound = torch.cat([torch.full((512,), 2.0**-4), torch.full((k_pe.shape[1],), 2.0**-8)]) * want.abs() + step
+        assert bool(((got - want).abs()[~nan] <= bound[~nan]).all()), "a stored value is off by more than e4m3's step"
 
 
 def check_appended(case, args, before: torch.Tensor):
     kv_cache, kv_c, k_pe, slot_mapping, kv_scale = args
+    if kv_cache.dtype == torch.uint8:
+        return check_appended_fp8_ds_mla(args, before)
     want = before.clone()
     flat = want.view(-1, want.shape[-1])
     for i, slot in enumerate(slot_mapping.tolist()):
@@ -121,6 +195,8 @@ def run_case(case, compiled_mode: bool):
         before = args[0].clone()
         run()
         check_appended(case, args, before)
+    elif case.op.startswith("merge"):
+        check_merged(case, args, run())
     else:
         check_decode_result(case, args, run())
 
@@ -145,8 +221,9 @@ def _device_checks(case, args):
                                        op=case.op, q_scale=q_scale)
 
 
+# (The merge ops have no value checks: every merge argument error is a shape, dtype or device error.)
 VALUE_CASES = [c for c in CASES if isinstance(c.expect, Raises) and c.expect.at == "run" and c.gpu_form]
-VALID_CASES = [c for c in CASES if isinstance(c.expect, Returns)]
+VALID_CASES = [c for c in CASES if isinstance(c.expect, Returns) and not c.op.startswith("merge")]
 
 
 @pytest.mark.parametrize("case", VALUE_CASES, ids=[c.name for c in VALUE_CASES])
@@ -211,7 +288,8 @@ def hostile_table_markdown() -> str:
              "with a `PagedMLACache`), eager and with the decode steps compiled where they have a compiled form.",
              "", "| # | op | call | eager | compiled |", "|---|---|---|---|---|"]
     for i, case in enumerate(CASES, 1):
-        op = "decode" if case.op.startswith("paged_decode") else "append"
+        op = {"paged_decode": "decode", "cache_append": "append", "merge_attn_states": "merge"}[
+            case.op.removesuffix("_with_lse").removesuffix("_n")]
         name = case.name.replace("cache_append: ", "")
         lines.append(f"| {i} | {op} | {name} | {_result(case, False)} | {_result(case, True)} |")
     for i, scenario in enumerate(SCENARIOS, len(CASES) + 1):
@@ -227,7 +305,7 @@ def test_docs_reliability_md_lists_every_case():
 
 
 def test_the_table_is_long_and_every_name_is_unique():
-    assert len(CASES) >= 70 and len({c.name for c in CASES}) == len(CASES)
+    assert len(CASES) >= 200 and len({c.name for c in CASES}) == len(CASES)
     assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
 
 

@@ -10,7 +10,7 @@ import torch
 import mla_inductor  # noqa: F401  (registers torch.ops.mla.*)
 from mla_inductor.merge import merge_reference
 from mla_inductor.testing import relative_error
-from triton_support import HAS_CUDA, needs_triton
+from triton_support import HAS_CUDA, TRITON_RUNS, needs_triton
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -19,7 +19,7 @@ def split_attention(T=3, H=4, L=40, S=23, parts=3, seed=0, dtype=torch.float32):
     """A small attention problem solved whole and in ``parts`` key ranges, all in float64.
 
     Row 0 sees no key at all (every part empty), row 1's keys all fall in part 0 (the others empty),
-    the other rows see every key. Empty parts get garbage (NaN) outputs and lse -inf, +inf or NaN in turn.
+    the other rows see every key. Empty parts get garbage (NaN) outputs and lse -inf or NaN in turn.
     Returns (outs [N, T, H, L] in dtype, lses [N, T, H] fp32, want_out [T, H, L] f64, want_lse [T, H] f64).
     """
     g = torch.Generator().manual_seed(seed)
@@ -40,7 +40,7 @@ def split_attention(T=3, H=4, L=40, S=23, parts=3, seed=0, dtype=torch.float32):
 
     want_out, want_lse = attend(visible)
     outs, lses = [], []
-    empty_lses = [float("-inf"), float("inf"), float("nan")]
+    empty_lses = [float("-inf"), float("nan")]
     for i in range(parts):
         mask = visible.clone()
         mask[:, :bounds[i]] = False
@@ -48,7 +48,7 @@ def split_attention(T=3, H=4, L=40, S=23, parts=3, seed=0, dtype=torch.float32):
         out, lse = attend(mask)
         empty = ~mask.any(-1)
         out[empty] = float("nan")
-        lse[empty] = empty_lses[i % 3]
+        lse[empty] = empty_lses[i % 2]
         outs.append(out.to(dtype))
         lses.append(lse.float())
     return torch.stack(outs), torch.stack(lses), want_out, want_lse
@@ -109,24 +109,36 @@ def test_opcheck_merge_ops():
 
 
 BAD_INPUTS = [
-    ("out_b must match", lambda o, l: (o[0], l[0], o[1, :, :2], l[1])),
-    ("lse_a must have dtype float32", lambda o, l: (o[0], l[0].double(), o[1], l[1])),
-    ("lse_b must be [T, H]", lambda o, l: (o[0], l[0], o[1], l[1, :2])),
-    ("out_a must be a 3-D tensor", lambda o, l: (o, l[0], o[1], l[1])),
-    ("out_a must have dtype", lambda o, l: (o[0].int(), l[0], o[1], l[1])),
+    ("out_b must match", ValueError, lambda o, l: (o[0], l[0], o[1, :, :2], l[1])),
+    ("lse_a must have dtype float32", TypeError, lambda o, l: (o[0], l[0].double(), o[1], l[1])),
+    ("lse_b must be [T, H]", ValueError, lambda o, l: (o[0], l[0], o[1], l[1, :2])),
+    ("out_a must be a 3-D tensor", ValueError, lambda o, l: (o, l[0], o[1], l[1])),
+    ("out_a must have dtype", TypeError, lambda o, l: (o[0].int(), l[0], o[1], l[1])),
 ]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("message, make", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_names_the_argument(message, make, compiled):
+@pytest.mark.parametrize("message, error, make", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_names_the_argument(message, error, make, compiled):
+    """The documented type in both modes: compiled, the fake impl's error reaches the caller as it is."""
     outs, lses = _opcheck_inputs()
     fn = torch.ops.mla.merge_attn_states
     if compiled:
         torch._dynamo.reset()
         fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match=re.escape("mla.merge_attn_states: " + message)):
+    with pytest.raises(error, match=re.escape("mla.merge_attn_states: " + message)):
         fn(*make(outs, lses))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bad_stacked_input_raises_the_documented_type_in_both_modes(compiled):
+    outs, lses = _opcheck_inputs()
+    fn = torch.ops.mla.merge_attn_states_n
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"^mla.merge_attn_states_n: lses must be \[N, T, H\]"):
+        fn(outs, lses[:2])
 
 
 def test_bad_stacked_input_names_the_argument():
@@ -154,6 +166,72 @@ def test_compiled_cpu_merge_is_generated_code():
     check_merged(out, lse, want_out, want_lse, torch.bfloat16)
     assert not any("torch.ops.mla" in code for code in codes), "the merge stayed an opaque call"
     assert any("cpp_fused" in code and "merge_attn_states" in code for code in codes), "no generated merge kernel"
+
+
+# --------------------------------------------------------------------------------------------------------
+# One lse convention: the decode op's results, split then merged, equal the unsplit call's
+
+def _halves(x, first):
+    """The decode call ``x`` split into the keys at positions < ``first`` (a whole number of pages) and the rest:
+    the argument tuples of the two calls (Q = 1: each row attends all its sequence's keys)."""
+    q_nope, q_pe, kv_cache, block_table, seq_lens, scale, kv_scale, _ = x.args()
+    page_size = kv_cache.shape[1]
+    head = (q_nope, q_pe, kv_cache, block_table, seq_lens.clamp(max=first), scale, kv_scale)
+    tail = (q_nope, q_pe, kv_cache, block_table[:, first // page_size:].contiguous(),
+            (seq_lens - first).clamp(min=0), scale, kv_scale)
+    return head, tail
+
+
+def _merges():
+    """Every way to merge two parts: (name, merge(out_a, lse_a, out_b, lse_b) -> (out, lse))."""
+    merges = [("merge_attn_states", torch.ops.mla.merge_attn_states),
+              ("merge_attn_states_n", lambda oa, la, ob, lb: torch.ops.mla.merge_attn_states_n(
+                  torch.stack([oa, ob]), torch.stack([la, lb]))),
+              ("compiled", torch.compile(lambda oa, la, ob, lb: torch.ops.mla.merge_attn_states(oa, la, ob, lb),
+                                         fullgraph=True))]
+    if TRITON_RUNS:
+        from mla_inductor.kernels.merge_attn_states import triton_merge_stacked, triton_merge_two
+
+        merges += [("triton two", lambda oa, la, ob, lb: triton_merge_two(oa, la, ob, lb)),
+                   ("triton stacked", lambda oa, la, ob, lb: triton_merge_stacked(torch.stack([oa, ob]),
+                                                                                torch.stack([la, lb])))]
+    return merges
+
+
+@pytest.mark.parametrize("scale", [0.2, 1e38, -1e38], ids=["0.2", "1e38", "-1e38"])
+def test_split_then_merge_equals_the_unsplit_decode_call(scale):
+    """For every lse the decode op returns: finite, -inf (a part that sees no key: sequence 0 is one page long),
+    +inf (a huge softmax_scale overflows a part's sum; it outweighs the other, finite part). Rows where both
+    parts overflow the same way lose their ratio to the overflow (documented) and are left out."""
+    from mla_inductor.testing import make_decode_inputs
+
+    x = make_decode_inputs([4, 11, 16], num_heads=4, kv_lora_rank=32, rope_dim=16, page_size=4, q_dtype=torch.float32,
+                           fmt="fp32", seed=7)
+    x.softmax_scale = scale
+    head, tail = _halves(x, 4)
+    out, lse = torch.ops.mla.paged_decode_with_lse(*x.args()[:7])
+    out_a, lse_a = torch.ops.mla.paged_decode_with_lse(*head)
+    out_b, lse_b = torch.ops.mla.paged_decode_with_lse(*tail)
+    assert bool((lse_b[0] == float("-inf")).all()), "sequence 0's second part must be empty"
+    keep = ~(torch.isinf(lse_a) & (lse_a == lse_b))
+    if scale == 1e38:
+        assert bool((torch.isposinf(lse_a) ^ torch.isposinf(lse_b)).any()), "the case needs a part of lse +inf"
+    for name, merge in _merges():
+        got_out, got_lse = merge(out_a.to(DEV), lse_a.to(DEV), out_b.to(DEV), lse_b.to(DEV))
+        got_out, got_lse = got_out.cpu(), got_lse.cpu()
+        assert torch.equal(got_lse[keep].isposinf(), lse[keep].isposinf()), name
+        assert relative_error(got_lse[keep], lse[keep]) < 1e-5, name
+        assert relative_error(got_out[keep], out[keep]) < 1e-5, (name, relative_error(got_out[keep], out[keep]))
+
+
+def test_parts_with_lse_inf_outweigh_finite_parts_and_share_equally():
+    out = torch.stack([torch.full((1, 2, 4), v) for v in (1.0, 2.0, 3.0)])
+    lse = torch.tensor([[[float("inf"), 5.0]], [[3.0, float("inf")]], [[float("inf"), float("-inf")]]])
+    for merged, merged_lse in (torch.ops.mla.merge_attn_states_n(out, lse), merge_reference(out.unbind(0),
+                                                                                           lse.unbind(0))):
+        assert torch.equal(merged[0, 0], torch.full((4,), 2.0)), "two +inf parts (1 and 3) share equally"
+        assert torch.equal(merged[0, 1], torch.full((4,), 2.0)), "the +inf part outweighs the finite one"
+        assert bool(merged_lse.isposinf().all())
 
 
 # --------------------------------------------------------------------------------------------------------

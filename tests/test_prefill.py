@@ -173,7 +173,7 @@ def test_a_flashinfer_kernel_that_fails_its_first_call_is_left_for_sdpa(monkeypa
 
     def broken_build(*args):
         calls.append(args)
-        raise RuntimeError("ninja: build stopped: nvcc not found")
+        build_step("ninja: build stopped: nvcc not found")
 
     monkeypatch.setattr(prefill, "flashinfer_prefill", broken_build)
     q, k, v = hf_like_inputs(1, 12, **DEEPSEEK)
@@ -198,15 +198,31 @@ def test_a_flashinfer_kernel_that_ran_is_never_disabled():
     assert not builds.failed("key")
 
 
+def build_step(message):
+    """Raise ``RuntimeError(message)`` from code that lives where FlashInfer builds its modules (a file under
+    ``flashinfer/jit/``), as its ninja build does."""
+    code = compile("def build(message):\n    raise RuntimeError(message)\n",
+                   "/site-packages/flashinfer/jit/cpp_ext.py", "exec")
+    namespace = {}
+    exec(code, namespace)
+    namespace["build"](message)
+
+
 @pytest.mark.parametrize("error", [
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: out of memory"),
+    RuntimeError("Failed to allocate memory for the workspace buffer: out of memory"),
     RuntimeError("CUDA error: an illegal memory access was encountered"),
     RuntimeError("CUDA error: device-side assert triggered"),
     RuntimeError("CUDA error: unspecified launch failure"),
-], ids=["out-of-memory", "illegal-access", "device-assert", "launch-failure"])
+    RuntimeError("CUDA error: too many resources requested for launch"),
+    ValueError("the library refuses this call's arguments"),
+], ids=["torch-out-of-memory", "cuda-out-of-memory", "library-out-of-memory", "illegal-access", "device-assert",
+        "launch-failure", "too-many-resources", "refused-arguments"])
 def test_a_first_call_failing_for_this_call_only_propagates_and_keeps_the_kernel(error):
-    """Out of memory or a CUDA error on a kernel's first call is this call's failure, not the kernel's: it
-    propagates (no silent sdpa, which would fail the same way) and the kernel stays on for later calls."""
+    """An error of a kernel's first call that is not a failed import, build or load (out of memory in any
+    form, a CUDA error, the library refusing the call) is this call's failure, not the kernel's: it propagates
+    (no silent sdpa) and the kernel stays on for later calls."""
     builds = prefill.FlashInferBuilds()
 
     def fails():
@@ -218,16 +234,33 @@ def test_a_first_call_failing_for_this_call_only_propagates_and_keeps_the_kernel
     assert builds.run("key", lambda: 1, lambda: 2) == 1
 
 
-@pytest.mark.parametrize("message", ["CUDA error: no kernel image is available for execution on the device",
-                                     "CUDA error: invalid device function",
-                                     "CUDA error: too many resources requested for launch"])
-def test_a_first_call_the_gpu_cannot_run_falls_back_to_sdpa(message):
-    """CUDA errors that say the kernel has no build or no room on this GPU (an SM that FlashInfer's JIT cache
-    was not built for, a launch too big for it) switch the kernel off, as a failed build does."""
-    builds = prefill.FlashInferBuilds()
-
+def raising(error):
     def fails():
-        raise RuntimeError(message)
+        raise error
+    return fails
+
+
+def _build_fails():
+    build_step("Ninja build failed: nvcc fatal: Unsupported gpu architecture 'compute_90a'")
+
+
+def _load_fails_after_a_failed_build():
+    try:
+        build_step("Ninja build failed")
+    except RuntimeError as e:
+        raise RuntimeError("loading the module failed") from e
+
+
+@pytest.mark.parametrize("fails", [
+    raising(RuntimeError("CUDA error: no kernel image is available for execution on the device")),
+    raising(RuntimeError("CUDA error: invalid device function")),
+    raising(ModuleNotFoundError("No module named 'flashinfer'")),
+    _build_fails, _load_fails_after_a_failed_build,
+], ids=["no-kernel-image", "invalid-device-function", "import", "build", "build-as-cause"])
+def test_a_kernel_that_cannot_be_imported_built_or_loaded_falls_back_to_sdpa(fails):
+    """FlashInfer not importing, its JIT build failing (raised from its ``jit`` package) or a module without a
+    build for this GPU switch the kernel off for the process."""
+    builds = prefill.FlashInferBuilds()
 
     with pytest.warns(RuntimeWarning, match="its calls run torch's sdpa instead"):
         assert builds.run("key", fails, lambda: 2) == 2

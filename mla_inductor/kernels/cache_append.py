@@ -3,8 +3,9 @@
 The reference writer (``reference.cache_append_reference``) selects the valid slots with a boolean
 mask, which has a data-dependent size: a device->host sync that breaks CUDA-graph capture of a decode
 step. This kernel skips ``slot < 0`` inside the program instead, and quantizes like the reference:
-``clamp(x / kv_scale, ±448)`` to e4m3 for fp8 caches; per-128-value tile scales ``amax / 448`` (floored
-at the smallest normal float) and bf16 rope for the 656-byte fp8_ds_mla rows.
+``clamp(x / kv_scale, ±448)`` to e4m3 for fp8 caches; per-128-value tile scales ``amax / 448`` of the
+tile's finite values (floored at the smallest normal float) and bf16 rope for the 656-byte fp8_ds_mla rows.
+In both fp8 formats ±inf saturates at ±448 and NaN stays NaN, touching no other value.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def _cache_append_kernel(
             offs_t = tl.arange(0, TILE)
             for t in tl.static_range(L // TILE):
                 x = tl.load(KV_C + i * stride_c + t * TILE + offs_t).to(tl.float32)
-                scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, TINY)
-                q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+                ax = tl.abs(x)
+                finite = tl.where((x == x) & (ax != float("inf")), ax, 0.0)  # ±inf and NaN set no scale
+                scale = tl.maximum(tl.max(finite, axis=0) / FP8_MAX, TINY)
+                q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
                 tl.store(row + t * TILE + offs_t, q.to(tl.uint8, bitcast=True))
                 tl.store((row + L + 4 * t).to(tl.pointer_type(tl.float32)), scale)
             rope_ptr = (row + L + 4 * (L // TILE)).to(tl.pointer_type(tl.bfloat16))
@@ -47,8 +50,8 @@ def _cache_append_kernel(
             x = tl.load(KV_C + i * stride_c + offs_l, mask=offs_l < L, other=0.0).to(tl.float32)
             if MODE == 1:
                 inv = 1.0 / tl.load(KV_SCALE).to(tl.float32)
-                x = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
-                rope = tl.minimum(tl.maximum(rope * inv, -FP8_MAX), FP8_MAX)
+                x = tl.clamp(x * inv, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+                rope = tl.clamp(rope * inv, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(row + offs_l, x.to(CACHE.dtype.element_ty), mask=offs_l < L)
             tl.store(row + L + offs_r, rope.to(CACHE.dtype.element_ty), mask=offs_r < R)
 

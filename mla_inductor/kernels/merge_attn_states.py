@@ -7,8 +7,9 @@ parts' LSEs (a few bytes) to get each part's weight, then reads only the parts w
 so an empty part costs no output bytes and its (possibly garbage) output is never read. No host sync:
 CUDA-graph capturable. CPU tensors run through Triton's interpreter (tests only).
 
-Semantics are ``mla_inductor.merge.merge_reference``'s: NaN / +inf LSE = -inf (empty part), a row whose
-parts are all empty gets out 0 and lse -inf, math in fp32.
+Semantics are ``mla_inductor.merge.merge_reference``'s: -inf (or NaN) LSE = an empty part, +inf = a part
+whose sum overflowed (it outweighs every finite part; +inf parts weigh the same), a row whose parts are all
+empty gets out 0 and lse -inf, math in fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +27,19 @@ _MAX_BLOCK_L = 1024
 
 @triton.jit
 def _clean_lse(x):
-    return tl.where((x != x) | (x == float("inf")), float("-inf"), x)
+    return tl.where(x != x, float("-inf"), x)
+
+
+@triton.jit
+def _shift(top):
+    # A finite top shifts the exponents; an infinite one does not (see _weight).
+    return tl.where((top == float("inf")) | (top == float("-inf")), 0.0, top)
+
+
+@triton.jit
+def _weight(lse, top, shift):
+    # Under a +inf top the +inf parts count 1 each and the finite ones 0; all empty (top -inf): every part 0.
+    return tl.where(top == float("inf"), tl.where(lse == float("inf"), 1.0, 0.0), tl.exp(lse - shift))
 
 
 @triton.jit
@@ -47,8 +60,8 @@ def _merge_two_kernel(
     lse_a = _clean_lse(tl.load(LSE_A + t * la_st + h * la_sh, mask=row_ok, other=float("-inf")))
     lse_b = _clean_lse(tl.load(LSE_B + t * lb_st + h * lb_sh, mask=row_ok, other=float("-inf")))
     top = tl.maximum(lse_a, lse_b)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w_a, w_b = tl.exp(lse_a - top), tl.exp(lse_b - top)
+    shift = _shift(top)
+    w_a, w_b = _weight(lse_a, top, shift), _weight(lse_b, top, shift)
     total = w_a + w_b
     _store_lse(LSE_OUT, rows, row_ok, top, total)
     inv = 1.0 / tl.where(total == 0.0, 1.0, total)
@@ -77,10 +90,10 @@ def _merge_stacked_kernel(
     top = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for n in range(N):
         top = tl.maximum(top, _clean_lse(tl.load(LSES + n * ls_n + lse_at, mask=row_ok, other=float("-inf"))))
-    top = tl.where(top == float("-inf"), 0.0, top)
+    shift = _shift(top)
     total = tl.zeros([BLOCK_R], tl.float32)
     for n in range(N):
-        total += tl.exp(_clean_lse(tl.load(LSES + n * ls_n + lse_at, mask=row_ok, other=float("-inf"))) - top)
+        total += _weight(_clean_lse(tl.load(LSES + n * ls_n + lse_at, mask=row_ok, other=float("-inf"))), top, shift)
     _store_lse(LSE_OUT, rows, row_ok, top, total)
     inv = 1.0 / tl.where(total == 0.0, 1.0, total)
     base = t * s_t + h * s_h
@@ -90,7 +103,7 @@ def _merge_stacked_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_L], tl.float32)
         for n in range(N):
             lse = _clean_lse(tl.load(LSES + n * ls_n + lse_at, mask=row_ok, other=float("-inf")))
-            w = tl.exp(lse - top) * inv
+            w = _weight(lse, top, shift) * inv
             part = tl.load(OUTS + n * s_n + base[:, None] + cols[None, :], mask=ok & (w > 0)[:, None], other=0.0)
             acc += part.to(tl.float32) * w[:, None]
         tl.store(OUT + rows[:, None] * L + cols[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
