@@ -258,9 +258,7 @@ def test_unbacked_batch_sizes_serve_b1_to_256_in_one_frame():
 
 
 def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeypatch):
-    import sys
-    import types
-
+    import mla_inductor.backends as backends
     from mla_inductor.autotune import autotuning
     from mla_inductor.lowering import installed_pass
 
@@ -271,13 +269,12 @@ def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeyp
         assert ours.uuid() != base
     with autotuning(True):
         assert ours.uuid() != base
-    fake = types.ModuleType("vllm")
-    fake.__version__ = "0.0.1"
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    installed = backends.library_version
+    monkeypatch.setattr(backends, "library_version", lambda name: "0.0.1" if name == "vllm" else installed(name))
     first = ours.uuid()
-    fake.__version__ = "0.0.2"
+    monkeypatch.setattr(backends, "library_version", lambda name: "0.0.2" if name == "vllm" else installed(name))
     assert first != base and ours.uuid() not in (base, first)
-    monkeypatch.delitem(sys.modules, "vllm")
+    monkeypatch.setattr(backends, "library_version", installed)
     # Code cached with direct calls needs them arranged (bench_modes --dispatcher-calls keeps them off).
     from mla_inductor import _library
 
