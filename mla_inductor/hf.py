@@ -2,8 +2,7 @@
 through transformers' own extension points: a ``Cache`` subclass and an attention function registered with
 ``AttentionInterface`` / ``AttentionMaskInterface``. No forward of any module is replaced.
 
-    import mla_inductor.lowering                 # the ops and the Inductor pass
-    from mla_inductor import hf
+    from mla_inductor import hf                  # the ops; the Inductor pass loads on the first compile
 
     hf.register()                                # "mla_inductor" for set_attn_implementation / from_pretrained
     model.set_attn_implementation("mla_inductor")
