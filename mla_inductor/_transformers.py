@@ -19,11 +19,12 @@ MAX_TRANSFORMERS_MAJOR = 5
 # ``past_key_values`` to ``cache``; the old name still works there, with a deprecation warning.
 CACHE_ARGUMENT_RENAMED = (5, 24)
 
-_cache_keyword: Optional[str] = None  # the installed release's name for it, read once
+_cache_keyword: Optional[str] = None  # the installed release's name for it (set by require_transformers)
 
 
 def require_transformers():
     """Import transformers, or raise ImportError naming the supported range and the found version."""
+    global _cache_keyword
     try:
         import transformers
     except ImportError as e:
@@ -37,16 +38,16 @@ def require_transformers():
             f"{MAX_TRANSFORMERS_MAJOR + 1} (MLA attention that caches the latent), found {transformers.__version__}: "
             "pip install 'mla-inductor[hf]'"
         )
+    # Settled here, before any model runs: a decode step traced by torch.compile then reads a constant.
+    _cache_keyword = "cache" if version >= CACHE_ARGUMENT_RENAMED else "past_key_values"
     return transformers
 
 
 def cache_keyword() -> str:
     """The name of the keyword argument that hands a cache to ``model.generate()`` and to a model's forward in
     the installed transformers: ``"cache"`` from 5.24 on, ``"past_key_values"`` before."""
-    global _cache_keyword
-    if _cache_keyword is None:  # read once: decode steps traced by torch.compile call this too
-        version = version_tuple(require_transformers().__version__, 2)
-        _cache_keyword = "cache" if version >= CACHE_ARGUMENT_RENAMED else "past_key_values"
+    if _cache_keyword is None:
+        require_transformers()
     return _cache_keyword
 
 
