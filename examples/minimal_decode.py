@@ -137,7 +137,9 @@ def main():
     q_pe = torch.empty(args.batch, cfg.heads, cfg.rope_dim, dtype=dtype, device=args.device)
     chosen = mla_inductor.backend_for_call(q, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens,
                                            cfg.nope_dim ** -0.5, cache.kv_scale)
-    print(f"mla.paged_decode on {cache.format} cache, {cfg.heads} heads -> {chosen.backend}")
+    how = " (the reference decode compiled by Inductor into C++ for the CPU)" if chosen.backend == "reference" and \
+        args.device == "cpu" else ""
+    print(f"mla.paged_decode on {cache.format} cache, {cfg.heads} heads -> {chosen.backend}{how}")
     print("tokens of sequence 0:", torch.stack(generated, 1)[0].tolist())
 
 
