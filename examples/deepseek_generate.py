@@ -82,7 +82,7 @@ class Variant:
 
     def row(self, batch: int, steps: int) -> str:
         rates = self.tokens_per_second(batch, steps)
-        ms_per_token = 1e3 * statistics.median(self.seconds) / steps  # one token of every sequence per step
+        ms_per_token = 1e3 * statistics.median(self.seconds) / steps  # each step makes a token of every sequence
         return (f"{self.name:<40} {statistics.median(rates):9.1f} tokens/s ({rates[0]:.1f}-{rates[-1]:.1f}), "
                 f"{ms_per_token:7.2f} ms per token")
 
@@ -179,7 +179,8 @@ def main():
         ours = timed_generate(f"ours (mla_inductor, {cache.format} paged cache)", model, prompt, mask, args,
                               cache=cache, compile_config=compile_config(args.device))
 
-    print(f"tokens/s: median ({args.repeats} runs, min-max); ms per token: median time of one step")
+    print(f"tokens/s: median of {args.repeats} generate() calls (min-max); ms per token: a call's median time / "
+          f"{args.steps} new tokens per sequence (its prompt forward included)")
     for variant in theirs + [ours]:
         print(variant.row(args.batch, args.steps))
     if not hf_compile:
