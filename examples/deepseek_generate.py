@@ -208,7 +208,7 @@ def describe(backend: str, device: str) -> str:
     implementation (there is no hand-written CPU kernel to pick)."""
     if device == "cpu" and backend.startswith("reference"):
         return (f"{backend}: the reference decode (mla_inductor/reference.py) compiled by Inductor into C++ for "
-                "the CPU, fused with the rest of the step")
+                "the CPU, inside the compiled step")
     return backend
 
 
