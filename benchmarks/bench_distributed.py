@@ -25,7 +25,7 @@ L2 never holds the next call's cache), recorded in one CUDA graph (``--mode grap
 op calls, no compile; a compiled step if capture fails), compiled with ``mode="reduce-overhead"``
 (``--mode compiled``) or called eagerly (``--mode eager``), timed with do_bench and divided by ``layers``.
 Which one ran is printed on every row. (c): the same per-layer steps on both GPUs at once with a fixed number of
-iterations (both ranks must make the same collective calls), CUDA events, the slower rank's time.
+iterations (both ranks must make the same collective calls), the device synchronised around them, the slower rank's time.
 
 Everything printed is also written to DIR/bench_distributed.md and DIR/bench_distributed.json (``--out``).
 Without CUDA it says so and exits 0; without 2 GPUs under torchrun, part (c) is skipped with the reason.
@@ -41,6 +41,7 @@ import traceback
 from typing import Callable, Optional
 
 import report
+import timing
 import torch
 import torch.distributed as dist
 
@@ -70,15 +71,7 @@ class Setup:
 
     def bench_ms(self, fn: Callable) -> float:
         """Median ms per call: triton's do_bench on the GPU (L2 flushed before each call)."""
-        if self.device == "cuda":
-            return report.median_ms(fn)
-        fn()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times)[1]
+        return timing.median_ms(fn, self.device)
 
 
 class Report:
@@ -349,19 +342,7 @@ def timed_on_all_ranks(setup: Setup, fn: Callable, iters: int, warmup: int = 5) 
         fn()
     setup.sync()
     dist.barrier()
-    if setup.device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        setup.sync()
-        ms = start.elapsed_time(end) / iters
-    else:
-        began = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        ms = (time.perf_counter() - began) * 1e3 / iters
+    ms = timing.mean_ms(fn, setup.device, warmup=0, iters=iters)
     slowest = torch.tensor([ms], device=setup.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)

@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import timing
 import torch
 from report import add_out_argument, environment, progress, write_results
 
@@ -77,14 +78,7 @@ def _sync(device):
 
 def time_ms(fn: Callable[[], object], device, warmup: int, iters: int) -> float:
     """Mean wall time of fn() in ms after warm-up, device synchronised around the timed loop."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return 1e3 * (time.perf_counter() - t0) / iters
+    return timing.mean_ms(fn, device, warmup=warmup, iters=iters)
 
 
 def build_model(args, device, dtype):

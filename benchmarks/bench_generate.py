@@ -60,11 +60,11 @@ import cProfile
 import gc
 import pstats
 import statistics
-import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import timing
 import torch
 from report import (add_out_argument, environment, environment_line, markdown_table, progress, prompt_kernel_log,
                     step_profile, write_results)
@@ -94,11 +94,7 @@ def sync(device) -> None:
 
 
 def wall_s(fn, device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
+    return timing.wall_seconds(fn, device)
 
 
 def copy_bandwidth_gbs(device) -> float:

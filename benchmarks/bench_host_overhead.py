@@ -54,13 +54,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import statistics
 import sys
-import time
 from typing import Callable, Optional
 from unittest import mock
 
+import timing
 import torch
 from report import (add_out_argument, decode_calls, environment, environment_line, lowered_afresh, mark_new_step,
                     markdown_table, parse_cases, profile_of, progress, relative_error, write_results)
@@ -181,20 +179,7 @@ def direct_step(calls: int, planned: bool) -> Callable:
 
 def us_per_call(run: Callable[[], object], calls: int, steps: int, before: Callable[[], None], sync) -> float:
     """Median over ``steps`` steps of the step's wall time / ``calls`` (after 3 warm-up steps)."""
-    times = []
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(steps + 3):
-            before()
-            t0 = time.perf_counter()
-            run()
-            sync()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    return statistics.median(times) * 1e6 / calls
+    return timing.median_seconds(run, steps, warmup=3, before=before, sync=sync) * 1e6 / calls
 
 
 def kernels_per_call(run: Callable[[], object], before: Callable[[], None], calls: int) -> dict[str, float]:

@@ -37,6 +37,7 @@ import traceback
 from typing import NamedTuple, Optional
 
 import peers as pm
+import timing
 import torch
 import report
 
@@ -368,8 +369,6 @@ def merge_sweep(shapes, out_dir, device: str = "cuda", L: int = 512):
     """The split merge alone on fresh random partials of each (pairs, splits) in ``shapes``, at every tile (splits
     per step, output columns per program) up to 16384 values a program: µs replayed in a CUDA graph (0 off a GPU:
     the tests' interpreter) and the error against a torch merge; ``decode.merge_tile``'s pick is marked."""
-    import triton
-
     from mla_inductor.kernels import decode
 
     dev = torch.device(device)
@@ -394,7 +393,7 @@ def merge_sweep(shapes, out_dir, device: str = "cuda", L: int = 512):
 
                 def measure(run=run):
                     err = _err(run(), ref)
-                    us = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3 if \
+                    us = timing.graph_median_ms(run, rep=100) * 1e3 if \
                         dev.type == "cuda" else 0.0
                     return f": {us:6.1f} us, err={err:.1e}"
                 mark = " (merge_tile)" if (block_s, block_l) == pick else ""
@@ -408,14 +407,12 @@ def split_sweep(cases, counts, out_dir, kinds=CACHE_FORMATS, kernel="default", s
     after launch (``do_bench``) and replayed in a CUDA graph, and each kernel's device time, for tuning
     ``decode.choose_splits`` where few rows leave SMs idle (one sequence, a few). ``sparse_cases`` (B, H, S,
     top-k): sparse calls too, on the formats of ``kinds`` a sparse call takes (bf16, fp8_ds_mla)."""
-    import triton
-
     def timed(fn, ref):
         out = fn()
         torch.cuda.synchronize()
         err = _err(out, ref)
         eager = _bench(fn)
-        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        graph = timing.graph_median_ms(fn)
         kernels = ", ".join(f"{name} {us:.1f}" for name, us in _kernel_times(fn).items())
         return f": {eager*1e3:8.1f} us, in a CUDA graph {graph*1e3:8.1f} us, err={err:.1e} (device us: {kernels})"
 
@@ -453,20 +450,13 @@ def overhead(out_dir):
     Small batches finish on the GPU faster than Python can launch them; eager timings then measure the
     launcher, which a served model avoids by capturing decode steps in CUDA graphs.
     """
-    import triton
-
     def timed(c, kind):
         fn, ref, per_tok = _ours(c, kind)
         fn()
         torch.cuda.synchronize()
         eager = _bench(fn)
-        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn()
-        host = (time.perf_counter() - t0) / 50
-        torch.cuda.synchronize()
+        graph = timing.graph_median_ms(fn)
+        host = timing.host_seconds(fn, 50)
         return f" eager {eager*1e3:8.1f} us  graph {graph*1e3:8.1f} us  host/call {host*1e6:6.1f} us"
 
     lines = []

@@ -16,24 +16,15 @@ is the slower side. The host of a GPU machine may be shared: compare pieces of o
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Optional
 
+import timing
 import torch
 from report import add_out_argument, write_results
 
 
 def timed_us(fn, n: int = 3000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(n):
-        fn()
-        if i % 100 == 99:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
+    return timing.host_seconds(fn, n, warmup=50, sync_every=100) * 1e6
 
 
 def main(argv: Optional[list[str]] = None) -> None:

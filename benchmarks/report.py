@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+import timing
+
 D_CKV = 512  # kv_lora_rank: q_nope's width in the benchmarks' DeepSeek-V3 shapes
 
 
@@ -40,10 +42,8 @@ def environment_line(env: dict) -> str:
 
 
 def median_ms(fn) -> float:
-    """Median time of a call (``triton.testing.do_bench``, warmup 25, rep 200), as the peers are timed."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    """Median time of a call on the GPU, as the peers are timed (``timing.median_ms``: do_bench, warmup 25, rep 200)."""
+    return timing.median_ms(fn)
 
 
 def parse_cases(text: str) -> list[tuple[int, int, str]]:

@@ -1,33 +1,40 @@
-"""``model.generate()`` of a Hugging Face DeepSeek-V3 on ``torch.ops.mla.paged_decode``: same tokens, faster.
+"""``model.generate()`` of a Hugging Face DeepSeek-V3 on ``torch.ops.mla.paged_decode``: same tokens, faster on GPU.
 
-    python examples/deepseek_generate.py [--device cuda] [--fmt bf16|fp8_e4m3|fp8_ds_mla] [--steps 32]
+    python examples/deepseek_generate.py [--device cuda] [--fmt bf16|fp8_e4m3|fp8_ds_mla] [--steps 32] [--repeats 3]
 
 Builds a small random-weight ``DeepseekV3ForCausalLM`` (no hub access; ``pip install 'mla-inductor[hf]'``)
-and generates greedily for a left-padded batch three ways:
+and generates greedily for a left-padded batch with HF's attention and with ours:
 
 - HF eager:    transformers' sdpa attention and its DynamicCache, no compile;
 - HF compiled: transformers' own recipe, a static cache with generate() compiling the decode step
                (on CPU only with ``--hf-compile``: its compile takes a while there);
 - ours:        ``model.set_attn_implementation("mla_inductor")`` and a ``PagedMLACache`` passed as
-               ``past_key_values``; generate() compiles the decode step (by itself on GPU) and the
+               generate()'s cache; generate() compiles the decode step (by itself on GPU) and the
                Inductor pass rewrites each ``mla.paged_decode`` into the kernel it picks for the device.
 
-It checks that HF's attention and ours give the same tokens, prints tokens/s of each and the kernel the
-pass chose. CPU fp32 by default, CUDA bf16 when a GPU is present; on GPU the attention has DeepSeek-V3's
-real dims (kv_lora_rank 512, rope 64) so every cache format, fp8_ds_mla included, works, and layer 1 is
-a MoE layer (on CPU both layers are dense, to keep the compile short). At this size on CPU every
-variant is bound by per-operator overhead: the speed-up is a GPU matter (benchmarks/bench_generate.py).
+It prints the versions it ran with, checks that HF's attention and ours give the same tokens (and how far
+their logits are apart), times ``--repeats`` generate() calls of each variant after a warm-up (the median
+tokens/s with its spread, and ms per token of a sequence), and names the kernel the pass chose. CPU fp32 by
+default, CUDA bf16 when a GPU is present; on GPU the attention has DeepSeek-V3's real dims (kv_lora_rank
+512, rope 64) so every cache format, fp8_ds_mla included, works, layer 1 is a MoE layer, and ours is
+compared with HF's fastest variant. On CPU both layers are dense, to keep the compile short, and at this
+size every variant is bound by per-operator overhead: the speed-up is a GPU matter
+(benchmarks/bench_generate.py), and the CPU figures show only that ours runs.
 """
 
 import argparse
+import statistics
 import sys
 import time
+import warnings
+from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import CompileConfig
 from transformers.generation import BaseStreamer
 
-import mla_inductor.lowering  # registers torch.ops.mla.* and the Inductor pass
+import mla_inductor  # registers torch.ops.mla.*; the Inductor pass loads on the first compile
 from mla_inductor import hf
 from mla_inductor.testing import random_deepseek_model
 
@@ -40,6 +47,9 @@ SMALL_V3 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_int
                                      original_max_position_embeddings=1024, mscale=1.0, mscale_all_dim=1.0,
                                      beta_fast=32, beta_slow=1))
 REAL_ATTENTION_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+# torch 2.13's Inductor lowers aten.diagonal (the padding mask's diagonal, in the compiled step) through its own
+# deprecated torch._prims_common.check, and warns about that on the caller's behalf.
+warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated", category=FutureWarning)
 
 
 class Progress(BaseStreamer):
@@ -58,6 +68,25 @@ class Progress(BaseStreamer):
         print(flush=True)
 
 
+@dataclass
+class Variant:
+    """One way to generate: its tokens and logits (from the last timed call) and the times of the timed calls."""
+
+    name: str
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    seconds: list[float]
+
+    def tokens_per_second(self, batch: int, steps: int) -> list[float]:
+        return sorted(batch * steps / t for t in self.seconds)
+
+    def row(self, batch: int, steps: int) -> str:
+        rates = self.tokens_per_second(batch, steps)
+        ms_per_token = 1e3 * statistics.median(self.seconds) / steps  # each step makes a token of every sequence
+        return (f"{self.name:<40} {statistics.median(rates):9.1f} tokens/s ({rates[0]:.1f}-{rates[-1]:.1f}), "
+                f"{ms_per_token:7.2f} ms per token")
+
+
 def left_padded_batch(batch, length, vocab, device):
     """Prompts [batch, length] of decreasing real length, left-padded with 0, and their 0/1 mask."""
     g = torch.Generator().manual_seed(0)
@@ -73,21 +102,27 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed_generate(name, model, prompt, mask, steps, device, **kwargs):
-    """Warm up (compiles where the variant compiles), then time one generate(); returns (tokens, tokens/s)."""
+def timed_generate(name, model, prompt, mask, args, cache=None, **kwargs) -> Variant:
+    """A warm-up generate() (it compiles where the variant compiles), then ``args.repeats`` timed ones with the
+    same arguments, each on an emptied cache; the last one's tokens and logits are the ones compared."""
+    generate = dict(attention_mask=mask, do_sample=False, max_new_tokens=args.steps, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True, **kwargs)
+    if cache is not None:
+        generate.update(hf.cache_kwargs(cache))  # cache= (transformers >= 5.24) or past_key_values= (5.23)
     print(f"[{name}] warm-up", end=" ", flush=True)
     t0 = time.perf_counter()
-    model.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=steps, pad_token_id=0,
-                   streamer=Progress(), **kwargs)
+    model.generate(prompt, streamer=Progress(), **generate)
     print(f"[{name}] warm-up took {time.perf_counter() - t0:.1f} s", flush=True)
-    if "past_key_values" in kwargs:
-        kwargs["past_key_values"].reset()
-    sync(device)
-    t0 = time.perf_counter()
-    tokens = model.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=steps, pad_token_id=0,
-                            **kwargs)
-    sync(device)
-    return tokens, prompt.shape[0] * steps / (time.perf_counter() - t0)
+    seconds = []
+    for _ in range(args.repeats):
+        if cache is not None:
+            cache.reset()
+        sync(args.device)
+        t0 = time.perf_counter()
+        out = model.generate(prompt, **generate)
+        sync(args.device)
+        seconds.append(time.perf_counter() - t0)
+    return Variant(name, out.sequences, torch.stack(out.logits, 1).float(), seconds)
 
 
 def compile_config(device):
@@ -97,6 +132,15 @@ def compile_config(device):
     return config
 
 
+def versions_line(device: str) -> str:
+    if device == "cuda":
+        where = f"cuda ({torch.cuda.get_device_name()}, sm{''.join(map(str, torch.cuda.get_device_capability()))})"
+    else:
+        where = f"cpu ({torch.get_num_threads()} threads)"
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"mla_inductor {mla_inductor.__version__}, device {where}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -104,46 +148,68 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="timed generate() calls per variant (after a warm-up)")
     p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also time HF's own compiled generate (default: on GPU only)")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     config = dict(SMALL_V3, **REAL_ATTENTION_DIMS) if cuda else dict(SMALL_V3, first_k_dense_replace=2)
     hf_compile = cuda if args.hf_compile is None else args.hf_compile
 
+    print(versions_line(args.device))
     model = random_deepseek_model("v3", dtype=dtype, device=args.device, seed=0, attn_implementation="sdpa", **config)
     model.generation_config.eos_token_id = None  # random weights: generate exactly --steps tokens
     prompt, mask = left_padded_batch(args.batch, args.prompt_len, config["vocab_size"], args.device)
     print(f"DeepSeek-V3 (random weights, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
           f"L={config['kv_lora_rank']}, R={config['qk_rope_head_dim']}, {dtype}) on {args.device}, batch "
-          f"{args.batch} left-padded, {args.steps} new tokens each")
+          f"{args.batch} left-padded, {args.steps} new tokens each, {args.repeats} timed runs per variant")
 
-    rates = {}
     with torch.no_grad():
-        want, rates["HF eager (sdpa, DynamicCache)"] = timed_generate("HF eager", model, prompt, mask, args.steps,
-                                                                      args.device)
+        theirs = [timed_generate("HF eager (sdpa, DynamicCache)", model, prompt, mask, args)]
         if hf_compile:
-            _, rates["HF compiled (static cache)"] = timed_generate(
-                "HF compiled", model, prompt, mask, args.steps, args.device, cache_implementation="static",
-                compile_config=compile_config(args.device))
+            theirs.append(timed_generate("HF compiled (static cache)", model, prompt, mask, args,
+                                         cache_implementation="static", compile_config=compile_config(args.device)))
         model.set_attn_implementation(hf.register())
         cache = hf.PagedMLACache(model, batch_size=args.batch, max_seq_len=args.prompt_len + args.steps,
                                  fmt=args.fmt, page_size=64 if cuda else 16)
         before = set(mla_inductor.lowering.decisions())
-        got, rates[f"ours (mla_inductor, {cache.format} paged cache)"] = timed_generate(
-            "ours", model, prompt, mask, args.steps, args.device, past_key_values=cache,
-            compile_config=compile_config(args.device))
+        ours = timed_generate(f"ours (mla_inductor, {cache.format} paged cache)", model, prompt, mask, args,
+                              cache=cache, compile_config=compile_config(args.device))
 
-    for name, rate in rates.items():
-        print(f"{name:<44} {rate:9.1f} tokens/s")
+    print(f"tokens/s: median of {args.repeats} generate() calls (min-max); ms per token: a call's median time / "
+          f"{args.steps} new tokens per sequence (its prompt forward included)")
+    for variant in theirs + [ours]:
+        print(variant.row(args.batch, args.steps))
     if not hf_compile:
-        print(f"{'HF compiled (static cache)':<44} skipped on CPU (pass --hf-compile)")
-    print(f"greedy tokens, HF's attention vs ours: {(got == want).float().mean().item():.1%} identical")
-    print(f"mla.paged_decode ({cache.format} cache, {config['num_attention_heads']} heads) -> {chosen_kernel(before, cache)}")
-    print("tokens of sequence 0:", got[0, args.prompt_len:].tolist())
-    if not cuda and cache.format == "fp32" and not torch.equal(got, want):
+        print(f"{'HF compiled (static cache)':<40} skipped on CPU (pass --hf-compile)")
+    if cuda:
+        best = max(theirs, key=lambda v: statistics.median(v.tokens_per_second(args.batch, args.steps)))
+        ratio = statistics.median(ours.tokens_per_second(args.batch, args.steps)) / statistics.median(
+            best.tokens_per_second(args.batch, args.steps))
+        print(f"ours vs HF's fastest here ({best.name}): {ratio:.2f}x tokens/s (medians)")
+    else:
+        print("On CPU, at this size, every variant is bound by per-operator overhead: these figures show that ours "
+              "runs, not a speed-up. The speed-up is a GPU matter (run this on a GPU, or benchmarks/bench_generate.py).")
+    want = theirs[0]
+    print(f"greedy tokens, HF's attention vs ours: {(ours.tokens == want.tokens).float().mean().item():.1%} identical; "
+          f"logits differ by at most {(ours.logits - want.logits).abs().max().item():.2e}")
+    print(f"mla.paged_decode ({cache.format} cache, {config['num_attention_heads']} heads) -> "
+          f"{describe(chosen_kernel(before, cache), args.device)}")
+    print("tokens of sequence 0:", ours.tokens[0, args.prompt_len:].tolist())
+    if not cuda and cache.format == "fp32" and not torch.equal(ours.tokens, want.tokens):
         sys.exit("HF's attention and ours disagree on CPU in fp32")  # on GPU, bf16/fp8 rounding may split near-ties
+
+
+def describe(backend: str, device: str) -> str:
+    """The pass's choice in words: on CPU, Inductor generates the decode's code from the reference
+    implementation (there is no hand-written CPU kernel to pick)."""
+    if device == "cpu" and backend.startswith("reference"):
+        return (f"{backend}: the reference decode (mla_inductor/reference.py) compiled by Inductor into C++ for "
+                "the CPU, inside the compiled step")
+    return backend
 
 
 def chosen_kernel(before, cache) -> str:
@@ -158,6 +224,7 @@ def chosen_kernel(before, cache) -> str:
     chosen = mla_inductor.backend_for_call(q[..., :L], q[..., L:], cache.kv_caches[0], cache.block_table,
                                            cache.seq_lens, 1.0, cache.kv_scale)
     return f"{chosen.backend} (graph from Inductor's cache; the selection table's answer)"
+
 
 if __name__ == "__main__":
     main()

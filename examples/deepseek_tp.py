@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from mla_inductor import hf
 from mla_inductor.distributed import make_dcp_group, shard_deepseek_attention_tp
-from mla_inductor.hf import DCPMLACache
 from mla_inductor.testing import random_deepseek_model, relative_error
 
 SMALL_V3 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,
@@ -78,7 +77,7 @@ def main():
         cache = hf.PagedMLACache(model, **sizes)
     else:
         # page_size: tokens per page on each process (64 on GPUs: FlashMLA's page).
-        cache = DCPMLACache(model, make_dcp_group(args.dcp, interleave=1, exchange=args.exchange), **sizes)
+        cache = hf.DCPMLACache(model, make_dcp_group(args.dcp, interleave=1, exchange=args.exchange), **sizes)
     step = torch.compile(hf.decode_one_token, fullgraph=True)
 
     with torch.no_grad():

@@ -1,9 +1,11 @@
-"""MLA decode in vanilla PyTorch: a hand-written attention block on a paged latent cache, compiled.
+"""MLA decode in vanilla PyTorch: one ``torch.ops.mla.paged_decode`` call, then a small model on a paged latent cache.
 
     python examples/minimal_decode.py [--device cuda] [--steps 32] [--fmt bf16|fp8_e4m3|fp8_ds_mla]
 
-The model calls ``torch.ops.mla.paged_decode`` on the absorbed query; ``torch.compile`` turns that call
-into the best kernel for the device (plain Inductor code on CPU). Random weights; no hub access.
+``one_call`` is the README's opening snippet with its inputs made: a batch of absorbed queries against a paged
+latent cache, called eagerly and through ``torch.compile`` (which turns the call into the best kernel for the
+device; plain Inductor code from the reference on CPU), checked against the reference. ``TinyMLAModel`` then
+decodes a few tokens with a hand-written attention block that calls the op. Random weights; no hub access.
 """
 
 import argparse
@@ -65,6 +67,31 @@ class TinyMLAModel(nn.Module):
         return self.head(x)
 
 
+def one_call(device: str) -> None:
+    """The README's opening snippet, its inputs made (on CPU exactly as written there), run eagerly and compiled."""
+    B, H, L, R, page_size = 4, 16, 512, 64, 64  # sequences, heads, kv_lora_rank, rope dim, tokens per page
+    seq_lens = torch.tensor([300, 17, 1024, 64], dtype=torch.int32)         # tokens cached per sequence
+    block_table = torch.arange(B * 16, dtype=torch.int32).view(B, 16)       # the pages of each sequence
+    kv_cache = torch.randn(B * 16, page_size, L + R, dtype=torch.bfloat16)  # [pages, page_size, latent | rope]
+    q_nope = torch.randn(B, H, L, dtype=torch.bfloat16)                     # the absorbed query (W_UK folded in)
+    q_pe = torch.randn(B, H, R, dtype=torch.bfloat16)                       # its rope part
+    softmax_scale, kv_scale = (128 + 64) ** -0.5, torch.ones(1)             # kv_scale: float32 [1], 1.0 unless fp8
+
+    seq_lens, block_table, kv_cache, q_nope, q_pe, kv_scale = (
+        t.to(device) for t in (seq_lens, block_table, kv_cache, q_nope, q_pe, kv_scale))
+    out = torch.ops.mla.paged_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)
+
+    compiled = torch.compile(lambda *args: torch.ops.mla.paged_decode(*args), fullgraph=True)
+    out_compiled = compiled(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)
+    want, _ = mla_inductor.paged_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale,
+                                                  kv_scale)
+    error = max((o.float() - want.float()).abs().max().item() for o in (out, out_compiled))
+    print(f"one mla.paged_decode call: out {tuple(out.shape)} {out.dtype}, eager and compiled within {error:.1e} "
+          f"of the reference")
+    if error > 2e-2:  # bf16 output: about 3 significant digits
+        raise SystemExit(f"mla.paged_decode differs from the reference by {error}")
+
+
 def prefill(model, cache, prompt):
     """Feed the prompt one position at a time (the point here is decode, not a prefill kernel)."""
     for t in range(prompt.shape[1]):
@@ -84,6 +111,7 @@ def main():
     p.add_argument("--fmt", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_ds_mla"])
     args = p.parse_args()
     torch.manual_seed(0)
+    one_call(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     cfg = MLAConfig()
     model = TinyMLAModel(cfg).to(args.device, dtype).eval()
@@ -109,7 +137,9 @@ def main():
     q_pe = torch.empty(args.batch, cfg.heads, cfg.rope_dim, dtype=dtype, device=args.device)
     chosen = mla_inductor.backend_for_call(q, q_pe, cache.kv_caches[0], cache.block_table, cache.seq_lens,
                                            cfg.nope_dim ** -0.5, cache.kv_scale)
-    print(f"mla.paged_decode on {cache.format} cache, {cfg.heads} heads -> {chosen.backend}")
+    how = " (the reference decode compiled by Inductor into C++ for the CPU)" if chosen.backend == "reference" and \
+        args.device == "cpu" else ""
+    print(f"mla.paged_decode on {cache.format} cache, {cfg.heads} heads -> {chosen.backend}{how}")
     print("tokens of sequence 0:", torch.stack(generated, 1)[0].tolist())
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -35,13 +36,16 @@ from mla_inductor.tuning import Measurement
 log = logging.getLogger("mla_inductor.lowering")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Decision:
     """One backend choice of the pass: for which call (``problem``, with symbolic sizes as selected), on which
     device, in which graph context; ``reasons`` says why each backend ahead of the winner was passed over
     (a refusal, a plan whose cost its graph cannot amortize, or a slower measured time), ``notes`` how symbolic
     sizes were decided, ``measurement`` the timings that chose it (``tuning.Measurement``: measured in this
-    process or stored, microseconds per backend) or None where the selection table did (``source``)."""
+    process or stored, microseconds per backend) or None where the selection table did (``source``).
+
+    A symbolic batch is selected by size class: ``problem.batch`` is then the class's upper limit (8 for a
+    traced B of 5), not the traced B; the printed form says so (``batch class B<=8 (traced B=5, ...)``)."""
 
     problem: DecodeProblem
     capability: Optional[tuple[int, int]]
@@ -55,6 +59,48 @@ class Decision:
     def source(self) -> str:
         """"table", or "measured" / "stored" (timed in this process / read from the tuning file)."""
         return "table" if self.measurement is None else self.measurement.source
+
+    def __str__(self) -> str:
+        p = self.problem
+        where = p.device_type if self.capability is None else f"{p.device_type} sm{self.capability[0]}{self.capability[1]}"
+        call = [f"{p.cache_format} cache", f"{str(p.q_dtype).replace('torch.', '')} query",
+                f"H={_size(p.num_heads)}", f"L={_size(p.kv_lora_rank)}", f"R={_size(p.rope_dim)}",
+                f"page {_size(p.page_size)}", f"sparse top-{_size(p.topk)}" if p.sparse else "dense",
+                f"{_size(p.q_per_seq)} new token(s) per sequence", self._batch()]
+        if p.fp8_query:
+            call.append("fp8 query allowed")
+        text = f"mla.paged_decode on {where} ({', '.join(call)})"
+        if self.context is not None:
+            text += f" in a graph with {self.context.calls_sharing_plan} call(s) sharing a plan" + (
+                ", captured" if self.context.captured else "")
+        text += f" -> {self.backend}"
+        text += (" (the selection table)" if self.measurement is None
+                 else f" (timings {self.measurement.describe()})")
+        if self.reasons:
+            text += f" (passed over: {'; '.join(self.reasons)})"
+        others = [n for n in self.notes if not n.startswith("batch: ")]
+        return text + (f" [{'; '.join(others)}]" if others else "")
+
+    def __repr__(self) -> str:
+        return f"Decision({self})"
+
+    def _batch(self) -> str:
+        """The batch as selected: a concrete B, or a symbolic batch's size class with the traced B."""
+        note = next((n[len("batch: "):] for n in self.notes if n.startswith("batch: ")), None)
+        B = self.problem.batch
+        if note is None:
+            return f"B={_size(B)}"
+        traced = re.search(r"traced (\d+)", note)
+        holds = re.search(r"class (.+)$", note)
+        if traced is None:  # unbacked: no traced value to name
+            return f"batch {note}"
+        size_class = f"batch class B<={B}" if B is not None else "batch class above every size limit"
+        return (f"{size_class} (traced B={traced.group(1)}, symbolic; this choice holds for "
+                f"{holds.group(1) if holds else 'its class'})")
+
+
+def _size(n: Optional[int]) -> str:
+    return "symbolic" if n is None else str(n)
 
 
 _decisions: dict[Decision, None] = {}  # ordered set
@@ -87,12 +133,7 @@ def _remember(decision: Decision, how: str) -> None:
         made.append(decision)
     if decision not in _decisions:
         _decisions[decision] = None
-        skipped = f" (passed over: {'; '.join(decision.reasons)})" if decision.reasons else ""
-        shapes = f" [{'; '.join(decision.notes)}]" if decision.notes else ""
-        source = (" (the selection table)" if decision.measurement is None
-                  else f" (timings {decision.measurement.describe()})")
-        log.info("mla.paged_decode %s on capability %s in %s -> %s%s%s%s%s", decision.problem, decision.capability,
-                 decision.context, decision.backend, source, skipped, shapes, how)
+        log.info("%s%s", decision, how)
 
 
 def log_decision(problem: DecodeProblem, capability, selection, context: Optional[CallContext] = None,

@@ -42,6 +42,15 @@ def _load_lowering_pass():
 
 _compat.install_post_grad_pass_on_first_compile(_load_lowering_pass)
 
+
+def __getattr__(name: str):
+    # ``mla_inductor.lowering.decisions()`` and the rest of the pass's API work before the first compile too:
+    # the subpackage is loaded (and its pass installed, as the first compile would) when first named.
+    if name == "lowering":
+        _load_lowering_pass()
+        return globals()["lowering"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "DecodeProblem",
     "allow_fp8_query",

@@ -2,7 +2,7 @@
 
 Each name here is one private API (or one that differs between the torch releases we support, 2.11
 through 2.14) behind a small function, so a torch upgrade that moves one is mended in one place; and the
-one version parser the package's version gates use (``version_tuple``).
+version reading the package's version gates use (``version_tuple``, on ``packaging``).
 """
 
 from __future__ import annotations
@@ -10,24 +10,28 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import inspect
-import itertools
 import logging
 import os
 import sys
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 # torch.Tag.cudagraph_unsafe: ops carrying it are run outside CUDA-graph partitions (absent on older torch).
 CUDAGRAPH_UNSAFE_TAGS: tuple = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
 def version_tuple(text: str, parts: int = 3) -> tuple[int, ...]:
-    """The first ``parts`` numbers of a version string ("0.6.18.post1" -> (0, 6, 18), "13.0" -> (13, 0, 0),
-    "5.23.0.dev0" -> (5, 23, 0)): each dot-separated piece's leading digits, a local "+..." part ignored.
-    The one version parser of the package (library and CUDA version gates)."""
-    pieces = (text.split("+")[0].split(".") + ["0"] * parts)[:parts]
-    return tuple(int("".join(itertools.takewhile(str.isdigit, p)) or 0) for p in pieces)
+    """The first ``parts`` release numbers of a version string, parsed by ``packaging`` (PEP 440):
+    "0.6.18.post1" -> (0, 6, 18), "13.0" -> (13, 0, 0), "5.23.0.dev0" -> (5, 23, 0), "2.13.0+cu130" ->
+    (2, 13, 0). Pre-, post-, dev- and local parts are dropped, so a build of a release passes that release's
+    gate; a string that is no version gives zeros. What the package's library and CUDA version gates compare."""
+    try:
+        release = Version(text).release
+    except InvalidVersion:
+        return (0,) * parts
+    return (release + (0,) * parts)[:parts]
 
 
 def environment_reader(name: str) -> Callable[[], Optional[str]]:
@@ -506,7 +510,7 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried: Sequence[torch.Ten
     return torch.ops.higher_order.while_loop(cond_fn, body_fn, tuple(carried), tuple(additional))
 
 
-def real_tensors():
+def outside_dispatch_modes():
     """A context in which new tensors are real even inside a compile (Inductor's pass runs under its fake
     mode): the dispatch modes in force are set aside (``torch.utils._python_dispatch._disable_current_modes``)."""
     from torch.utils._python_dispatch import _disable_current_modes

@@ -178,11 +178,12 @@ def _paged_attribute(name: str, doc: str) -> property:
 
 
 class PagedMLACache(Cache):
-    """A transformers ``Cache`` over a paged MLA latent cache, for ``model.generate(past_key_values=...)``.
+    """A transformers ``Cache`` over a paged MLA latent cache, for ``model.generate(cache=...)``
+    (``past_key_values=`` in transformers 5.23; ``hf.cache_kwargs(cache)`` names it for the installed release).
 
         cache = PagedMLACache(model, batch_size=4, max_seq_len=4096, fmt="bf16")   # after model.to(...)
         model.set_attn_implementation("mla_inductor")
-        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64)
 
     Holds ``batch_size`` sequences of up to ``max_seq_len`` real tokens each (pads of a left-padded prompt
     are never stored). ``fmt``: ``fp32``/``fp16``/``bf16`` (default: the model's dtype), ``fp8_e4m3``

@@ -28,7 +28,7 @@ class DCPMLACache(PagedMLACache):
         model = shard_deepseek_attention_tp(model, tp_group)          # optional: H / tp heads per rank
         model.set_attn_implementation(hf.register())
         cache = DCPMLACache(model, make_dcp_group(2), batch_size=8, max_seq_len=131072)
-        logits = hf.decode_one_token(model, tokens, cache)             # or model.generate(past_key_values=cache)
+        logits = hf.decode_one_token(model, tokens, cache)             # or model.generate(cache=cache)
 
     ``page_size``: tokens per page on each rank (a multiple of the interleave size); every rank must build
     the cache with the same arguments and run the same forwards. fp8_e4m3: ``kv_scale`` must be equal on

@@ -32,7 +32,8 @@ _DIRECT_WATCHERS: list[Callable] = []
 
 
 def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = (), *, direct: bool = False,
-              call_site: Optional[Callable] = None, eager_direct: bool = False):
+              call_site: Optional[Callable] = None, eager_direct: bool = False,
+              explain_refusal: Optional[Callable] = None):
     """Define the op ``qualname`` ("namespace::name") with ``schema`` (its arguments and returns, e.g.
     ``"(Tensor x) -> Tensor"``), computed by ``impl`` and faked by ``fake``; its OpOverloadPacket.
 
@@ -55,7 +56,12 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
     arguments as given (``EagerDirectPacket``): the round trip through the dispatcher is about a third of an
     eager decode call's host time (``benchmarks/bench_host_overhead.py``). Only for ops without mutable
     arguments (the dispatcher bumps their version counters) whose ``impl`` takes the schema's arguments
-    positionally, a defaulted tail left out."""
+    positionally, a defaulted tail left out.
+
+    ``explain_refusal(*args, **kwargs)``, for an ``eager_direct`` op: called with the arguments of a call of its
+    packet that the dispatcher refused (a Python number where the schema has a tensor, say; eagerly and while
+    torch.compile traces the call); it raises the op's own error where it knows what the valid form is, or
+    returns and the dispatcher's error stands."""
     namespace, name = qualname.split("::")
     lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
     lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
@@ -75,6 +81,7 @@ def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: 
         packet._eager_least = sum(not a.has_default_value() for a in arguments)
         packet._eager_floats = tuple((i, a.name) for i, a in enumerate(arguments) if str(a.type) == "float")
         packet._eager_name = qualname.replace("::", ".")
+        packet._explain_refusal = explain_refusal
     if direct:
         _DIRECT_IMPLS[packet.default] = (impl, call_site)
         for watch in _DIRECT_WATCHERS:
@@ -109,7 +116,17 @@ class EagerDirectPacket(op_packet_class()):
             else:
                 return self._eager_impl(*args)
         self._refuse_tensor_floats(args, kwargs)
-        return self._op(*args, **kwargs)
+        try:
+            return self._op(*args, **kwargs)
+        except RuntimeError:
+            if self._explain_refusal is None:
+                raise
+            try:
+                with argument_errors_reach_the_user():  # the same error type eagerly and at compile time
+                    self._explain_refusal(*args, **kwargs)
+            except (TypeError, ValueError) as ours:
+                raise ours from None  # it names the argument and its valid form: the dispatcher's adds nothing
+            raise
 
     def _refuse_tensor_floats(self, args: tuple, kwargs: dict) -> None:
         # The dispatcher would take a one-element tensor for a float argument (reading it on the host), but

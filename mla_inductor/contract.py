@@ -148,6 +148,24 @@ def _check_cache_rows(op, kv_cache, L, R):
     return fmt
 
 
+def _check_query_fits_cache(op, kv_cache, L, R):
+    """A decode call's L and R are read from the query: one that does not fit the cache's rows is reported as a
+    bad query shape, against what the rows hold (a kv_cache of no cache dtype is left to ``_check_cache_rows``)."""
+    try:
+        fmt = cache_format(kv_cache)
+    except TypeError:
+        return
+    if fmt == "fp8_ds_mla":
+        if (L, R) != (FP8_DS_MLA_LATENT, FP8_DS_MLA_ROPE):
+            fail(op, ValueError, f"bad query shape for a uint8 (fp8_ds_mla) kv_cache, whose rows hold L=512 latent "
+                  f"and R=64 rope values: q_nope must be [T, H, 512] and q_pe [T, H, 64], got q_nope L={L}, "
+                  f"q_pe R={R}")
+    elif kv_cache.shape[-1] != L + R:
+        fail(op, ValueError, f"bad query shape for kv_cache rows of L+R={kv_cache.shape[-1]} values (latent | rope): "
+              f"q_nope [T, H, L] and q_pe [T, H, R] must have L + R = {kv_cache.shape[-1]}, got q_nope L={L}, "
+              f"q_pe R={R} (L + R = {L + R}); kv_cache shape {tuple(kv_cache.shape)}")
+
+
 def _check_scale(op, name, scale, device, what, like="q_nope"):
     if not isinstance(scale, torch.Tensor):
         fail(op, TypeError, f"{name} must be a float32 tensor with one element ({what}), got "
@@ -158,8 +176,25 @@ def _check_scale(op, name, scale, device, what, like="q_nope"):
     _check_device(op, name, scale, device, like)
 
 
+KV_SCALE_FORM = "1.0 unless the cache is fp8: torch.ones(1)"
+
+
 def _check_kv_scale(op, kv_scale, device, like="q_nope"):
-    _check_scale(op, "kv_scale", kv_scale, device, "1.0 unless the cache is fp8", like)
+    _check_scale(op, "kv_scale", kv_scale, device, f"{KV_SCALE_FORM} on {like}'s device", like)
+
+
+def explain_refused_decode_args(*args, op: str = "paged_decode", **kwargs) -> None:
+    """For a decode call the dispatcher refused: a Python number (or anything not a tensor) passed as
+    ``kv_scale`` or ``q_scale`` gets the contract's TypeError naming the tensor expected; any other refusal is
+    left to the dispatcher's own message (it names the argument and the schema's type)."""
+    named = dict(zip(OP_ARG_NAMES, args), **kwargs)
+    kv_scale, q_scale = named.get("kv_scale"), named.get("q_scale")
+    if "kv_scale" in named and not isinstance(kv_scale, torch.Tensor):
+        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element ({KV_SCALE_FORM}), got "
+              f"{type(kv_scale).__name__} {kv_scale!r}")
+    if q_scale is not None and not isinstance(q_scale, torch.Tensor):
+        fail(op, TypeError, f"q_scale must be None or a float32 tensor with one element (the static per-tensor "
+              f"scale of the query), got {type(q_scale).__name__} {q_scale!r}")
 
 
 def check_decode_args(
@@ -179,6 +214,7 @@ def check_decode_args(
     _require(op, q_pe.shape[1] == H, f"q_pe must be [T={T}, H={H}, R] like q_nope, got shape {tuple(q_pe.shape)}")
     R = q_pe.shape[2]
     _check_tensor(op, "kv_cache", kv_cache, 3, "[P, page_size, L+R]")
+    _check_query_fits_cache(op, kv_cache, L, R)
     fmt = _check_cache_rows(op, kv_cache, L, R)
     _check_tensor(op, "block_table", block_table, 2, "[B, max_pages]")
     _check_dtype(op, "block_table", block_table, (torch.int32,), "int32")

@@ -2,13 +2,13 @@
 through transformers' own extension points: a ``Cache`` subclass and an attention function registered with
 ``AttentionInterface`` / ``AttentionMaskInterface``. No forward of any module is replaced.
 
-    import mla_inductor.lowering                 # the ops and the Inductor pass
-    from mla_inductor import hf
+    from mla_inductor import hf                  # the ops; the Inductor pass loads on the first compile
 
     hf.register()                                # "mla_inductor" for set_attn_implementation / from_pretrained
     model.set_attn_implementation("mla_inductor")
     cache = hf.PagedMLACache(model, batch_size=4, max_seq_len=4096, fmt="bf16")   # or fp8_e4m3 / fp8_ds_mla
-    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64)
+    # transformers 5.23 names it past_key_values=cache; **hf.cache_kwargs(cache) runs on both
 
 ``generate`` then works as usual (greedy, sampling, left padding, stop tokens, streamers, logits
 processors, beam search with a cache of batch x beams). The prompt runs HF's sdpa on keys/values expanded
@@ -33,7 +33,12 @@ import torch
 from torch import nn
 
 from mla_inductor._compat import inductor_loaded
-from mla_inductor._transformers import MAX_TRANSFORMERS_MAJOR, MIN_TRANSFORMERS, require_transformers  # noqa: F401
+from mla_inductor._transformers import (  # noqa: F401
+    MAX_TRANSFORMERS_MAJOR,
+    MIN_TRANSFORMERS,
+    cache_kwargs,
+    require_transformers,
+)
 from mla_inductor.backends import forget_plans, plans_shared_in_capture
 from mla_inductor.selection import compiling_for_capture
 
@@ -46,6 +51,7 @@ __all__ = [
     "DCPMLACache",  # noqa: F822 - lazy (module __getattr__: transformers is imported on first use)
     "PagedMLACache",
     "SUPPORTED_MODEL_TYPES",  # noqa: F822 - lazy, as above
+    "cache_kwargs",
     "compile_layers",
     "decode_one_token",
     "generate",
@@ -99,7 +105,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[
                          f"columns), got {tuple(attention_mask.shape)}")
     real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     positions = cache.seq_lens[:, None].long() + (real.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache),
                 use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
@@ -122,7 +128,7 @@ def decode_one_token(model: nn.Module, tokens: torch.Tensor, cache: "PagedMLACac
         # and the mark would import it (seconds); where another library loaded it, the mark is a counter update.
         torch.compiler.cudagraph_mark_step_begin()
     positions = cache.seq_lens[:, None].long()
-    out = model(input_ids=tokens[:, None], position_ids=positions, past_key_values=cache, use_cache=True,
+    out = model(input_ids=tokens[:, None], position_ids=positions, **cache_kwargs(cache), use_cache=True,
                 logits_to_keep=1)
     return out.logits[:, -1]
 

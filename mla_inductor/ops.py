@@ -15,6 +15,7 @@ definition (the reference computes with q as given); see ``contract`` for when t
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Callable, NamedTuple, Optional
 
@@ -38,6 +39,7 @@ from mla_inductor.contract import (
     check_decode_values,
     checks_on_device,
     empty_decode_outputs,
+    explain_refused_decode_args,
     fail,
     nothing_attended,
     wants_value_checks,
@@ -221,7 +223,9 @@ def _paged_decode_with_lse_fake(*args):
 # straight to the implementation, or (a plain eager call of the packet, ``eager_direct``) to it without the
 # dispatcher.
 paged_decode_with_lse = define_op("mla::paged_decode_with_lse", f"({OP_ARGS_SCHEMA}) -> (Tensor, Tensor)",
-                                  _paged_decode_with_lse, _paged_decode_with_lse_fake, eager_direct=True)
+                                  _paged_decode_with_lse, _paged_decode_with_lse_fake, eager_direct=True,
+                                  explain_refusal=functools.partial(explain_refused_decode_args,
+                                                                    op="paged_decode_with_lse"))
 
 
 def _paged_decode(*args) -> Tensor:
@@ -237,7 +241,7 @@ def _paged_decode_fake(*args):
 
 
 paged_decode = define_op("mla::paged_decode", f"({OP_ARGS_SCHEMA}) -> Tensor", _paged_decode, _paged_decode_fake,
-                         eager_direct=True)
+                         eager_direct=True, explain_refusal=explain_refused_decode_args)
 
 for _qualname in ("mla::paged_decode", "mla::paged_decode_with_lse"):
     refuse_autograd(_qualname, OP_ARG_NAMES)

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from mla_inductor._compat import real_tensors
+from mla_inductor._compat import outside_dispatch_modes
 from mla_inductor.backends import get_backend
 from mla_inductor.cache import encode_tokens, fp8_scale_for, register_host_lengths
 from mla_inductor.contract import DecodeProblem
@@ -242,7 +242,7 @@ def time_backends(problem: DecodeProblem, shape, names: Sequence[str], device,
     device = torch.device(device)
     how = {CAPTURED_STEP: _captured_step, ONE_CALL_GRAPH: _one_call_graph}.get(shape.kind, _uncaptured_step)
     results: dict[str, object] = {}
-    with real_tensors(), torch.no_grad(), torch.cuda.device(device):  # real tensors under a compile
+    with outside_dispatch_modes(), torch.no_grad(), torch.cuda.device(device):  # real tensors under a compile
         x = _inputs(problem, shape, device, shape.calls)
         timed = {}
         for name in names:

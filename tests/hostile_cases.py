@@ -422,12 +422,14 @@ CASES: list[Case] = [
     strided("q_nope"),
     strided("q_pe"),
     refused("kv_cache rows 40 wide (L+R=48)", put("kv_cache", lambda a: a["kv_cache"][..., :40]), ValueError,
-            "kv_cache must be [P, page_size, L+R=48] (latent | rope), got shape (8, 4, 40)"),
+            "bad query shape for kv_cache rows of L+R=40 values (latent | rope): q_nope [T, H, L] and q_pe [T, H, R] "
+            "must have L + R = 40, got q_nope L=32, q_pe R=16 (L + R = 48); kv_cache shape (8, 4, 40)"),
     wrong_dtype("kv_cache", torch.float64, CACHE_DTYPES),
     wrong_dtype("kv_cache", torch.int32, CACHE_DTYPES),
     wrong_rank("kv_cache", 2, "kv_cache must be a 3-D tensor [P, page_size, L+R]"),
     refused("uint8 (fp8_ds_mla) cache with L=32", put("kv_cache", torch.zeros(8, 4, 656, dtype=torch.uint8)),
-            ValueError, "a uint8 (fp8_ds_mla) kv_cache needs L=512 and R=64, got L=32, R=16"),
+            ValueError, "bad query shape for a uint8 (fp8_ds_mla) kv_cache, whose rows hold L=512 latent and R=64 "
+            "rope values: q_nope must be [T, H, 512] and q_pe [T, H, 64], got q_nope L=32, q_pe R=16"),
     strided("kv_cache"),
     refused("kv_cache on another device (meta)", put("kv_cache", lambda a: a["kv_cache"].to("meta")), ValueError,
             "kv_cache must be on cpu like q_nope, got meta"),
@@ -449,8 +451,9 @@ CASES: list[Case] = [
     *[refused(f"softmax_scale {shown}", put("softmax_scale", value), ValueError,
               f"softmax_scale must be finite, got {value}")
       for shown, value in (("NaN", NAN), ("inf", INF), ("-inf", -INF))],
-    refused("kv_scale a Python float", put("kv_scale", 1.0), RuntimeError,
-            "Expected a value of type 'Tensor' for argument 'kv_scale'"),
+    refused("kv_scale a Python float", put("kv_scale", 1.0), TypeError,
+            "kv_scale must be a float32 tensor with one element (1.0 unless the cache is fp8: torch.ones(1) on "
+            "q_nope's device), got float 1.0"),
     refused("kv_scale fp16", put("kv_scale", torch.ones(1, dtype=torch.float16)), TypeError,
             SCALE_DTYPE.format("kv_scale", "float16")),
     refused("kv_scale with two elements", put("kv_scale", torch.ones(2)), TypeError,

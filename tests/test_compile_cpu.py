@@ -258,9 +258,7 @@ def test_unbacked_batch_sizes_serve_b1_to_256_in_one_frame():
 
 
 def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeypatch):
-    import sys
-    import types
-
+    import mla_inductor.backends as backends
     from mla_inductor.tuning import autotuning
     from mla_inductor.lowering import installed_pass
 
@@ -271,13 +269,12 @@ def test_pass_uuid_changes_with_preference_autotune_and_library_versions(monkeyp
         assert ours.uuid() != base
     with autotuning(True):
         assert ours.uuid() != base
-    fake = types.ModuleType("vllm")
-    fake.__version__ = "0.0.1"
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    installed = backends.library_version
+    monkeypatch.setattr(backends, "library_version", lambda name: "0.0.1" if name == "vllm" else installed(name))
     first = ours.uuid()
-    fake.__version__ = "0.0.2"
+    monkeypatch.setattr(backends, "library_version", lambda name: "0.0.2" if name == "vllm" else installed(name))
     assert first != base and ours.uuid() not in (base, first)
-    monkeypatch.delitem(sys.modules, "vllm")
+    monkeypatch.setattr(backends, "library_version", installed)
     # Code cached with direct calls needs them arranged (bench_modes --dispatcher-calls keeps them off).
     from mla_inductor import _library
 
@@ -687,3 +684,16 @@ def test_aot_inductor_packages_and_loads_a_model_of_our_op(tmp_path):
     loaded = torch._inductor.aoti_load_package(path)
     want = mla_inductor.paged_decode_reference(*args[:5], 0.125, args[5])[0]
     assert relative_error(loaded(*args), want) < 1e-5
+
+
+def test_a_symbolic_batch_decision_names_its_size_class_and_the_traced_batch():
+    """B=5 compiled with a symbolic batch is selected as its size class (problem.batch is the class's upper
+    limit, 8): printed, the decision says so instead of reading as a batch of 8."""
+    x = make_decode_inputs(seq_lens=[5, 9, 3, 7, 11], fmt="fp32", **SMALL)
+    step = torch.compile(lambda *a: torch.ops.mla.paged_decode(*a), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with mla_inductor.lowering.decisions_made() as made:
+        step(*x.args())
+    assert made and made[0].problem.batch == 8, made
+    for shown in (str(made[0]), repr(made[0]), str(made)):
+        assert "batch class B<=8 (traced B=5, symbolic" in shown and "batch=8" not in shown, shown

@@ -61,10 +61,19 @@ HOSTILE = [
     ("q_pe heads", _set("q_pe", lambda a: a["q_pe"][:, :1]), ValueError, "q_pe must be [T=2, H=3, R]"),
     ("q_nope strided", _set("q_nope", lambda a: a["q_nope"].repeat(1, 1, 2)[..., ::2]), ValueError,
      "q_nope must be contiguous in its last dimension"),
-    ("cache width", _set("kv_cache", lambda a: a["kv_cache"][..., :40]), ValueError, "kv_cache must be [P, page_size, L+R=48]"),
+    ("cache width", _set("kv_cache", lambda a: a["kv_cache"][..., :40]), ValueError,
+     "bad query shape for kv_cache rows of L+R=40 values (latent | rope): q_nope [T, H, L] and q_pe [T, H, R] must "
+     "have L + R = 40, got q_nope L=32, q_pe R=16 (L + R = 48)"),
+    ("q_nope wrong L", _set("q_nope", lambda a: a["q_nope"][..., :24]), ValueError,
+     "bad query shape for kv_cache rows of L+R=48 values (latent | rope): q_nope [T, H, L] and q_pe [T, H, R] must "
+     "have L + R = 48, got q_nope L=24, q_pe R=16"),
+    ("q_pe wrong R", _set("q_pe", lambda a: torch.cat([a["q_pe"], a["q_pe"]], -1)), ValueError,
+     "bad query shape for kv_cache rows of L+R=48 values (latent | rope): q_nope [T, H, L] and q_pe [T, H, R] must "
+     "have L + R = 48, got q_nope L=32, q_pe R=32"),
     ("cache dtype", _set("kv_cache", lambda a: a["kv_cache"].to(torch.float64)), TypeError, "kv_cache must have dtype"),
     ("cache uint8 wrong L", _set("kv_cache", lambda a: torch.zeros(4, 4, 656, dtype=torch.uint8)), ValueError,
-     "fp8_ds_mla) kv_cache needs L=512 and R=64"),
+     "bad query shape for a uint8 (fp8_ds_mla) kv_cache, whose rows hold L=512 latent and R=64 rope values: "
+     "q_nope must be [T, H, 512] and q_pe [T, H, 64], got q_nope L=32, q_pe R=16"),
     ("block_table int64", _set("block_table", lambda a: a["block_table"].long()), TypeError, "block_table must have dtype int32"),
     ("block_table 1-D", _set("block_table", lambda a: a["block_table"][0]), ValueError, "block_table must be a 2-D tensor"),
     ("seq_lens int64", _set("seq_lens", lambda a: a["seq_lens"].long()), TypeError, "seq_lens must have dtype int32"),
@@ -73,7 +82,9 @@ HOSTILE = [
     ("T % B", lambda a: a.update(q_nope=a["q_nope"].repeat(2, 1, 1)[:3], q_pe=a["q_pe"].repeat(2, 1, 1)[:3]),
      ValueError, "T=3 must be a positive multiple of the batch size B=2"),
     ("softmax_scale str", _set("softmax_scale", "0.1"), RuntimeError, "for argument 'softmax_scale'"),
-    ("kv_scale float", _set("kv_scale", 1.0), RuntimeError, "Expected a value of type 'Tensor' for argument 'kv_scale'"),
+    ("kv_scale float", _set("kv_scale", 1.0), TypeError, "kv_scale must be a float32 tensor with one element "
+     "(1.0 unless the cache is fp8: torch.ones(1) on q_nope's device), got float 1.0"),
+    ("kv_scale int", _set("kv_scale", 1), TypeError, "kv_scale must be a float32 tensor with one element"),
     ("kv_scale fp16", _set("kv_scale", torch.ones(1, dtype=torch.float16)), TypeError,
      "kv_scale must be a float32 tensor with one element"),
     ("kv_scale shape", _set("kv_scale", torch.ones(2)), TypeError, "kv_scale must be a float32 tensor with one element"),
@@ -139,6 +150,29 @@ def error_logs():
     yield records
     for lg in loggers:
         lg.removeHandler(handler)
+
+
+@pytest.mark.parametrize("op", [torch.ops.mla.paged_decode, torch.ops.mla.paged_decode_with_lse])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_python_number_scales_get_the_contracts_type_error(op, compiled):
+    """kv_scale=1.0 (the value the docs give it) and a float q_scale, positionally or by keyword: our TypeError
+    naming the tensor expected, the same type eagerly and from torch.compile (not the dispatcher's RuntimeError)."""
+    a = _arg_dict()
+    tensors = {k: v for k, v in a.items() if isinstance(v, torch.Tensor)}
+    name = op._qualified_op_name.split("::")[1]
+    for scales, msg in (({"kv_scale": 1.0}, "kv_scale must be a float32 tensor with one element (1.0 unless the "
+                         "cache is fp8: torch.ones(1) on q_nope's device), got float 1.0"),
+                        ({"q_scale": 0.5}, "q_scale must be None or a float32 tensor with one element")):
+        call = dict(tensors, softmax_scale=a["softmax_scale"], sparse_indices=None, **scales)
+        if compiled:
+            torch._dynamo.reset()
+            const = {k: v for k, v in call.items() if not isinstance(v, torch.Tensor)}
+            run = torch.compile(lambda **t: op(**t, **const), fullgraph=True, backend="aot_eager")
+            call = {k: v for k, v in call.items() if k not in const}
+        else:
+            run = op
+        with pytest.raises(TypeError, match=rf"^mla\.{name}: " + _re(msg)):
+            run(**call)
 
 
 @pytest.mark.parametrize("case,edit,msg", HOSTILE_VALUES, ids=[h[0] for h in HOSTILE_VALUES])

@@ -28,14 +28,27 @@ def test_examples_run_as_the_readme_says():
     import subprocess
     import sys
 
+    result_of = {}
     for script, args in (("examples/deepseek_generate.py", ["--steps", "4", "--device", "cpu"]),
                          ("examples/minimal_decode.py", ["--steps", "2", "--device", "cpu"])):
         # A graph served from Inductor's cache skips the pass, whose decisions the examples print.
         env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
         result = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
                                 timeout=600, cwd=ROOT, env=env)
+        result_of[script] = result.stdout
         assert result.returncode == 0, f"{script}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         assert "tokens/s" in result.stdout and "->" in result.stdout, result.stdout
+        # (torch warns that the caches are off: that is this test's setting above, not the example's doing)
+        warned = [line for line in result.stderr.splitlines() if ("Warning" in line or "deprecated" in line)
+                  and "force_disable_caches" not in line]
+        assert not warned, result.stderr[-3000:]
+    # The main job names what it ran with and times repeats: a median with its spread, and the latency per token.
+    lines = result_of["examples/deepseek_generate.py"].splitlines()
+    assert re.match(r"torch \S+, transformers \S+, mla_inductor \S+, device cpu", lines[0]), lines[0]
+    assert re.search(r"ours .* [\d.]+ tokens/s \([\d.]+-[\d.]+\), +[\d.]+ ms per token", "\n".join(lines)), lines
+    text = "\n".join(lines)
+    assert "speed-up is a GPU matter" in text and "ours vs HF" not in text, text  # no CPU ratio offered as one
+    assert "-> reference: the reference decode (mla_inductor/reference.py) compiled by Inductor" in text, text
 
 
 def test_readme_installs_torch_before_the_package_and_names_the_supported_range():

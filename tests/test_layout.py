@@ -70,6 +70,21 @@ def test_import_mla_inductor_alone_makes_compile_substitute_kernels():
     _run_ok(code)
 
 
+def test_pass_api_answers_before_the_first_compile():
+    """``mla_inductor.lowering.decisions()`` right after ``import mla_inductor``: no decision yet, not an
+    AttributeError (naming the subpackage loads it and installs its pass, as the first compile would)."""
+    code = ("import mla_inductor\n"
+            "assert mla_inductor.lowering.decisions() == []\n"
+            "assert mla_inductor.lowering.installed_pass() is not None\n"
+            "try:\n"
+            "    mla_inductor.no_such_name\n"
+            "except AttributeError as e:\n"
+            "    assert 'no_such_name' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('an unknown attribute must still raise AttributeError')\n")
+    _run_ok(code)
+
+
 def test_a_user_pass_installed_before_the_import_still_runs_first():
     """Inductor's config already imported with the user's pass in it: ``import mla_inductor`` puts the
     placeholder there at once, and the pass it loads runs the user's pass before its own."""

@@ -63,8 +63,11 @@ Backend modules import their libraries lazily, so ``import mla_inductor`` needs 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 import os
+import sys
 from typing import Optional, Union
 
 import torch
@@ -238,20 +241,39 @@ def kernel_origins() -> dict[str, str]:
 
 
 def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
-    """Version of every library a known backend draws on (plus ``extra``); None where it does not import."""
+    """Version of every library a known backend draws on (plus ``extra``), read without importing them
+    (``library_version``); None where one is not installed."""
     names = dict.fromkeys(extra)
     for name in _REGISTRY:
         try:
             names.update(dict.fromkeys(get_backend(name).libraries))
         except Exception:  # noqa: BLE001 - a backend that cannot import has no libraries to report
             continue
-    versions = {}
-    for lib in names:
+    return {lib: library_version(lib) for lib in names}
+
+
+def library_version(import_name: str) -> Optional[str]:
+    """The installed version of the package imported as ``import_name`` (e.g. ``flash_mla``, from the
+    ``sgl-flash-mla`` distribution), read from its metadata without importing it; for a package without
+    metadata (run from a source tree), the ``__version__`` of its module if already imported; else None."""
+    for distribution in _distributions_of(import_name):
         try:
-            versions[lib] = getattr(importlib.import_module(lib), "__version__", "unknown version")
-        except Exception:  # noqa: BLE001 - absent or broken: either way not usable
-            versions[lib] = None
-    return versions
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    module = sys.modules.get(import_name)
+    return None if module is None else getattr(module, "__version__", "unknown version")
+
+
+@functools.cache
+def _import_names() -> dict[str, list[str]]:
+    """Top-level import name -> the installed distributions providing it (read once: scans every one)."""
+    return importlib.metadata.packages_distributions()
+
+
+def _distributions_of(import_name: str) -> list[str]:
+    # The import name itself last: a distribution whose metadata lists no files still answers by its name.
+    return list(dict.fromkeys(_import_names().get(import_name, []) + [import_name]))
 
 
 def environment_settings() -> dict[str, Optional[str]]:
