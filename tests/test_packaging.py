@@ -105,3 +105,36 @@ def test_a_session_that_writes_into_the_source_tree_fails(tmp_path):
     assert result.returncode == pytest.ExitCode.TESTS_FAILED and "2 passed" in out, out[-3000:]
     assert "wrote into the source tree" in out and os.path.join("tests", "written.txt") in out, out[-3000:]
     assert "fine.txt" not in out and "left_by_pip_install" not in out, out[-3000:]
+
+
+# The package's CPU path without triton installed: every import of it fails, as on a machine that never
+# installed it (triton is no dependency of ours; torch's CUDA builds bring it).
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # `import triton` raises ModuleNotFoundError, importlib.util.find_spec finds nothing
+import torch
+import mla_inductor, mla_inductor.lowering
+from mla_inductor.reference import paged_decode_reference
+from mla_inductor.testing import make_decode_inputs, relative_error
+
+x = make_decode_inputs([5, 70], num_heads=4, kv_lora_rank=32, rope_dim=16, page_size=16, fmt="bf16")
+expected, _ = paged_decode_reference(*x.args()[:7])
+eager = torch.ops.mla.paged_decode(*x.args()[:7])
+out, lse = torch.ops.mla.paged_decode_with_lse(*x.args()[:7])
+compiled = torch.compile(lambda *a: torch.ops.mla.paged_decode(*a), fullgraph=True)(*x.args()[:7])
+merged, _ = torch.ops.mla.merge_attn_states(out, lse, out, lse)
+for name, got in (("eager", eager), ("with_lse", out), ("compiled", compiled), ("merged", merged)):
+    assert relative_error(got, expected) < 1e-2, (name, relative_error(got, expected))
+kv = torch.randn(2, 48, dtype=torch.bfloat16)
+torch.ops.mla.cache_append(x.kv_cache, kv[:, :32], kv[:, 32:], torch.tensor([0, 17]), x.kv_scale)
+assert torch.equal(x.kv_cache[0, 0], kv[0]) and torch.equal(x.kv_cache[1, 1], kv[1])
+assert sys.modules["triton"] is None
+print("ok")
+"""
+
+
+def test_cpu_path_runs_without_triton(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, cwd=tmp_path,
+                            env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
