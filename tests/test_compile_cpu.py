@@ -191,12 +191,12 @@ def planned_backend(monkeypatch):
 
 @pytest.mark.parametrize("out_only", [False, True], ids=["run", "out_only"])
 @pytest.mark.parametrize("plans_in_first_call", [False, True], ids=["plan_op", "decode_and_plan"])
-def test_a_61_layer_forward_plans_once(planned_backend, plans_in_first_call, out_only, monkeypatch):
+def test_a_many_layer_forward_plans_once(planned_backend, plans_in_first_call, out_only, monkeypatch):
     import planned_backend as pb
 
     monkeypatch.setattr(pb.BACKEND, "plans_in_first_call", plans_in_first_call)
     monkeypatch.setattr(pb.BACKEND, "has_out_only", out_only)
-    layers = 61
+    layers = 16  # every layer after the first reuses the first's plan: the counts below hold at any depth (61 too)
     x = make_decode_inputs(seq_lens=[5, 17, 9], **SMALL)
     caches = [x.kv_cache.clone() for _ in range(layers)]
 
