@@ -39,6 +39,7 @@ def measured(request):
     return request.param, {(r["H"], r["B"], r["S"]): (r["extra_bytes"], r["out_bytes"]) for r in rows}
 
 
+@pytest.mark.slow
 def test_b64_s4096_deepseek_dims_within_64_mib(measured):
     """Issue 18's line: at most 64 MiB per call at B=64, S=4096 (L=512, R=64, H=16); the gathered context
     alone would be 604 MB in fp32."""

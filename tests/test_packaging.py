@@ -42,6 +42,7 @@ def _build(hook: str, source: Path, out: Path) -> str:
     return str(out / result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_sdist_and_its_wheel_ship_what_they_should(tmp_path):
     pytest.importorskip("setuptools", minversion="77", reason="building needs setuptools>=77 (the [test] extra)")
     source = tmp_path / "src"
@@ -84,6 +85,7 @@ def test_sdist_and_its_wheel_ship_what_they_should(tmp_path):
     assert result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_session_that_writes_into_the_source_tree_fails(tmp_path):
     """tests/conftest.py compares the tree's files before and after the session (with pytest-xdist, in the
     controller): a test writing into the tree fails the session and is named; tmp_path, and whatever was in
@@ -133,6 +135,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_cpu_path_runs_without_triton(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, cwd=tmp_path,
