@@ -26,6 +26,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    # pytest-xdist's "load" (what -n alone picks) sends each worker a block of consecutive tests up front: one
+    # worker would get every slow test sorted first above. Work stealing starts the same way and hands an idle
+    # worker the tail of a busy one's queue, so the workers finish together.
+    if config.getoption("dist") == "load":
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
+
+
 def tree_files(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``root`` with its size and modification time; Python's ``__pycache__``, ``.git``
     and virtual environments (a folder holding ``pyvenv.cfg``) left out. Whatever an install left in the
