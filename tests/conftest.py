@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -7,6 +8,9 @@ import torch
 # set it before any test module imports triton (the Inductor CPU path does not use Triton).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Hypothesis keeps its example database and caches in ./.hypothesis unless told otherwise: not in the tree.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "mla_inductor_hypothesis"))
 
 import pytest  # noqa: E402
 
