@@ -475,6 +475,7 @@ def two_layer_step(scale: float):
     return two_layers
 
 
+@pytest.mark.slow
 def test_compiled_runs_call_their_sites_and_read_each_steps_plan(fake_flashinfer, monkeypatch):
     """Compiled (on CPU, the fake library): each run op is called by its site's own callable (``_RunSite``: static
     sizes, the wrapper's key computed once per site), which runs the wrapper the graph's plan op planned; after

@@ -10,6 +10,7 @@ import pytest
 from benchmark_modules import load_benchmark
 
 
+@pytest.mark.slow
 def test_bench_compile_time_compiles_the_whole_step_and_each_layer(tmp_path):
     pytest.importorskip("transformers")
     load_benchmark("report")

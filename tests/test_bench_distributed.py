@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from benchmark_modules import BENCHMARKS
@@ -11,6 +12,7 @@ from benchmark_modules import BENCHMARKS
 ROOT = BENCHMARKS.parent
 
 
+@pytest.mark.slow
 def test_runs_and_skips_cleanly_without_two_gpus(tmp_path):
     # Part (c) only: on a GPU machine this must not start the one-GPU parts' minutes of timing.
     result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_distributed.py"), "--parts", "c",

@@ -147,6 +147,7 @@ def test_both_scripts_read_cases_alike(monkeypatch):
         assert load_benchmark(script).parse_cases is report.parse_cases, script
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["whole", "per_layer"])
 def test_bench_modes_part_d_steps_the_hf_model_on_cpu(mode):
     """Part d's step runs the current HF integration (register + PagedMLACache + decode_one_token) end to end:
@@ -266,6 +267,7 @@ def test_bench_modes_holds_an_fp8_case_against_peers_of_its_query_precision(monk
     assert opted_in == [False] * 2 + [True] * 2
 
 
+@pytest.mark.slow
 def test_our_step_on_query_views_makes_the_same_calls():
     """``report.decode_calls(views=True)`` over ``query_views`` (bench_modes --a-query-views: each call's
     q_nope / q_pe made before the step, as the peers' are) computes what the step slicing each query does,

@@ -55,6 +55,7 @@ def test_pass_uuid_covers_the_environment_selection_reads(variable, values, monk
     assert uuids[0] != uuids[1]
 
 
+@pytest.mark.slow
 def test_fx_cache_misses_when_triton_interpret_changes(fx_cache, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert compile_and_run() == (0, 1)
@@ -109,6 +110,7 @@ def test_preference_set_by_environment_after_compiling_warns(monkeypatch):
         compiled(*ARGS)
 
 
+@pytest.mark.slow
 def test_decisions_made_lists_every_decision_of_the_block_repeats_included():
     """decisions() keeps each distinct choice once; decisions_made() lists what the graphs compiled inside the
     block decided, also a choice an earlier graph made already (how a benchmark tells which backend a

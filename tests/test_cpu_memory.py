@@ -18,8 +18,9 @@ PROBE = Path(__file__).with_name("memory_probe.py")
 B64_S4096_H16, B64_H128 = (16, 64, 4096), (128, 64, 512)  # H=128 at S=512: the peak does not depend on S
 SHORT, LONG = (16, 16, 1024), (16, 16, 8192)
 
-pytestmark = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
-                                reason="needs Linux's /proc/self/clear_refs to reset the peak-RSS mark")
+pytestmark = [pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                                 reason="needs Linux's /proc/self/clear_refs to reset the peak-RSS mark"),
+              pytest.mark.slow]  # every test here waits for one of the module's two probe processes
 
 
 @pytest.fixture(scope="module", params=["eager", "compiled"])

@@ -46,6 +46,7 @@ def test_import_loads_nothing_heavy_and_leaves_cuda_alone():
     _run_ok(code)
 
 
+@pytest.mark.slow
 def test_import_mla_inductor_alone_makes_compile_substitute_kernels():
     """No ``import mla_inductor.lowering``: the first compile loads the pass, which rewrites the call into
     the reference's Inductor code (no call of the opaque op left), with the reference's result."""
@@ -70,6 +71,7 @@ def test_import_mla_inductor_alone_makes_compile_substitute_kernels():
     _run_ok(code)
 
 
+@pytest.mark.slow
 def test_pass_api_answers_before_the_first_compile():
     """``mla_inductor.lowering.decisions()`` right after ``import mla_inductor``: no decision yet, not an
     AttributeError (naming the subpackage loads it and installs its pass, as the first compile would)."""
@@ -85,6 +87,7 @@ def test_pass_api_answers_before_the_first_compile():
     _run_ok(code)
 
 
+@pytest.mark.slow
 def test_a_user_pass_installed_before_the_import_still_runs_first():
     """Inductor's config already imported with the user's pass in it: ``import mla_inductor`` puts the
     placeholder there at once, and the pass it loads runs the user's pass before its own."""
