@@ -66,20 +66,28 @@ def matrix_rows(available: dict[str, Optional[str]]):
             yield dev, fmt, sparse, heads, page, batch or "any", selection.backend, selection.reasons
 
 
+def _short(reason: str, width: int = 64) -> str:
+    """A refusal cut to fit a table cell (``python -m mla_inductor.info`` prints it whole)."""
+    return reason if len(reason) <= width else reason[:width - 1].rstrip() + "…"
+
+
 def backend_matrix_markdown() -> str:
     """docs/backends.md's generated part: the table rows and what select_backend picks on each device,
     assuming every backend's library is installed."""
-    lines = ["| device | cache | sparse | calls | preference order | why |", "|---|---|---|---|---|---|"]
-    for row in TABLE:
-        lines.append(f"| {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | "
-                     f"{row.applies_to()} | {' → '.join(row.order)} | [{row.reason}](results.md#{row.anchor}) |")
+    lines = ["| row | device | cache | sparse | calls | preference order |", "|---|---|---|---|---|---|"]
+    for i, row in enumerate(TABLE, 1):
+        lines.append(f"| {i} | {row.device} | {', '.join(row.formats)} | {'yes' if row.sparse else 'no'} | "
+                     f"{row.applies_to()} | {' → '.join(row.order).removesuffix(' → reference')} |")
+    lines += ["", "Every row ends with the reference. Why each row orders its backends (the figures behind each reason "
+              "are on the results page):", ""]
+    lines += [f"{i}. [{row.reason}](results.md#{row.anchor})" for i, row in enumerate(TABLE, 1)]
     lines += ["", "First matching row wins. Chosen backend for L=512, R=64, Q=1 (top-k 2048 when sparse), every "
               "library installed (batch 1 listed where it differs):", "",
               "| device | cache | sparse | H | page | B | backend | passed over |", "|---|---|---|---|---|---|---|---|"]
     everything = {name: None for name in registered_backends()}
     for dev, fmt, sparse, heads, page, batch, chosen, reasons in matrix_rows(everything):
         lines.append(f"| {dev} | {fmt} | {'yes' if sparse else 'no'} | {heads} | {page} | {batch} | {chosen} | "
-                     f"{'; '.join(reasons) or '—'} |")
+                     f"{'; '.join(_short(r) for r in reasons) or '—'} |")
     lines += ["", "Calls that opted in to an e4m3 query (a static `q_scale`, or `allow_fp8_query()`), where the "
               "choice differs:", "", "| device | cache | sparse | H | page | backend |", "|---|---|---|---|---|---|"]
     for dev, fmt, sparse, heads, page, chosen in fp8_query_rows(everything):

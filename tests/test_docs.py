@@ -77,3 +77,17 @@ def test_readme_benchmark_commands_exist():
     readme = (ROOT / "README.md").read_text()
     unlisted = [p.name for p in (ROOT / "benchmarks").glob("bench_*.py") if f"benchmarks/{p.name}" not in readme]
     assert not unlisted, f"benchmarks the README does not mention: {unlisted}"
+
+
+def test_readme_first_python_snippet_runs_as_written():
+    """The README's first Python block (the op on random inputs) runs as written on CPU, and its output matches
+    the float64 oracle of tests/naive.py."""
+    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    check = ("\nimport sys; sys.path.insert(0, 'tests')\nfrom naive import naive_decode\n"
+             "ref = naive_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)[0]\n"
+             "assert out.shape == q_nope.shape and torch.isfinite(out).all()\n"
+             "torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
+             "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", block + check], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

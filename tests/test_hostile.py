@@ -282,19 +282,30 @@ def _scenario_result(scenario, compiled_mode: bool) -> str:
     return f"{expect.type.__name__}: {expect.text}".replace("|", "\\|")
 
 
+def _row(*cells, width: int = 195) -> str:
+    """One table row within ``width`` characters: the longest cells are cut first (the doc's line limit)."""
+    cells = [str(c) for c in cells]
+    while len("| " + " | ".join(cells) + " |") > width:
+        i = max(range(len(cells)), key=lambda k: len(cells[k]))
+        cells[i] = cells[i][:len(cells[i]) - 2].rstrip().removesuffix("…") + "…"
+    return "| " + " | ".join(cells) + " |"
+
+
 def hostile_table_markdown() -> str:
     lines = [f"{len(CASES)} calls, each run eagerly and under `torch.compile(fullgraph=True)` on CPU by "
-             f"`tests/test_hostile.py`, then {len(SCENARIOS)} stateful scenarios (a cache's methods, `generate()` "
-             "with a `PagedMLACache`), eager and with the decode steps compiled where they have a compiled form.",
+             f"`tests/test_hostile.py`, then {len(SCENARIOS)} stateful",
+             "scenarios (a cache's methods, `generate()` with a `PagedMLACache`), eager and with the decode steps "
+             "compiled where they have a compiled form.",
+             "Long messages are cut (…); the test checks each whole.",
              "", "| # | op | call | eager | compiled |", "|---|---|---|---|---|"]
     for i, case in enumerate(CASES, 1):
         op = {"paged_decode": "decode", "cache_append": "append", "merge_attn_states": "merge"}[
             case.op.removesuffix("_with_lse").removesuffix("_n")]
         name = case.name.replace("cache_append: ", "")
-        lines.append(f"| {i} | {op} | {name} | {_result(case, False)} | {_result(case, True)} |")
+        lines.append(_row(i, op, name, _result(case, False), _result(case, True)))
     for i, scenario in enumerate(SCENARIOS, len(CASES) + 1):
-        lines.append(f"| {i} | scenario | {scenario.name} | {_scenario_result(scenario, False)} | "
-                     f"{_scenario_result(scenario, True)} |")
+        lines.append(_row(i, "scenario", scenario.name, _scenario_result(scenario, False),
+                          _scenario_result(scenario, True)))
     return "\n".join(lines) + "\n"
 
 
