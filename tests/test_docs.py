@@ -91,3 +91,22 @@ def test_readme_first_python_snippet_runs_as_written():
     result = subprocess.run([sys.executable, "-c", block + check], capture_output=True, text=True, timeout=300,
                             cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+NOTEBOOK = re.compile(r"\b(fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|[a-z]+teenth|twentieth|"
+                      r"twenty-[a-z]+) run\b|docs/benchmarks\.md")
+
+
+def test_docs_are_a_guide_not_a_log():
+    """The user's pages stay short and readable: README and CHANGELOG at most 150 lines, docs/kernels.md at most
+    300, no line of any page over 200 characters, and no run narrative in code, tests or README."""
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    too_long = [f"{p.name}:{n}" for p in pages for n, line in enumerate(p.read_text().splitlines(), 1)
+                if len(line) > 200]
+    assert not too_long, too_long
+    for name, most in (("README.md", 150), ("CHANGELOG.md", 150), ("docs/kernels.md", 300)):
+        assert len((ROOT / name).read_text().splitlines()) <= most, name
+    sources = [ROOT / "README.md", *(p for d in ("mla_inductor", "lowering", "tests") for p in (ROOT / d).rglob("*.py"))]
+    cited = [f"{p.relative_to(ROOT)}:{n}" for p in sources for n, line in enumerate(p.read_text().splitlines(), 1)
+             if NOTEBOOK.search(line) and p.name != "test_docs.py"]
+    assert not cited, cited
