@@ -110,6 +110,7 @@ def test_dynamic_true_with_a_float_scale_traces_once():
     assert counter.frame_count == 1, f"{counter.frame_count} traces of one frame"
 
 
+@pytest.mark.slow
 def test_cache_append_and_decode_compile_without_graph_breaks():
     """The compiled append writes the real cache (called without the dispatcher: ``define_op(direct=True)``)."""
     cache = mla_inductor.PagedLatentCache.allocate(num_layers=1, batch_size=2, max_seq_len=16, kv_lora_rank=32,

@@ -76,6 +76,7 @@ def compiled():
     return _in_a_compiling_process("t._compile_all()")
 
 
+@pytest.mark.slow
 @needs_gluon
 @pytest.mark.parametrize("kernel,kv_mode,qdt,tiling,splits,sparse", CASES)
 def test_kernel_compiles_for_sm90(compiled, kernel, kv_mode, qdt, tiling, splits, sparse):
@@ -117,6 +118,7 @@ def _compile_topk_one() -> dict:
     return report
 
 
+@pytest.mark.slow
 @needs_gluon
 def test_sparse_calls_of_one_slot_a_row_compile_for_sm90():
     # Whatever this Triton's compiler does with a constant TOPK, the kernels take it as a run-time value.
@@ -337,6 +339,7 @@ def _ptxas_for_sm90(get_ptxas) -> str:
         return get_ptxas().path
 
 
+@pytest.mark.slow
 def test_the_split_merge_compiles_for_sm90_without_spilling():
     # Holding every split's whole row at once spills at 128 splits (docs/kernels.md, "The split merge"); the last
     # shape is that layout, so the check itself is seen to catch a spill.

@@ -406,10 +406,12 @@ TP_CASES = {2: [("tp_hf", 1, "ag_rs", "bf16"), ("tp_hf", 2, "a2a", "fp8_e4m3")],
 COMPILE_CASES = [("compiled_dcp_step", "ag_rs"), ("compiled_dcp_step", "a2a")]
 
 
+@pytest.mark.slow
 def test_two_processes():
     spawn(2, DCP_ATTENTION_CASES + DCP_CACHE_CASES + TP_CASES[2] + COMPILE_CASES)
 
 
+@pytest.mark.slow
 def test_four_processes():
     spawn(4, DCP_ATTENTION_CASES + DCP_CACHE_CASES + TP_CASES[4])
 

@@ -98,6 +98,7 @@ def test_q_scale_does_not_change_the_result_where_q_stays_bf16():
     assert torch.equal(plain[0], scaled[0]) and torch.equal(plain[1], scaled[1])
 
 
+@pytest.mark.slow
 def test_compiled_cpu_call_with_q_scale_matches_eager():
     import mla_inductor.lowering  # noqa: F401 - installs the pass
     from torch._inductor.utils import run_and_get_code

@@ -176,6 +176,7 @@ def assert_matches_oracle(x, out, lse, tols, call):
 
 
 # ----------------------------------------------------------------------------- CPU (CI)
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread_on_cpu")
 @settings(max_examples=2000, **CI)
 @given(call=calls())
@@ -199,6 +200,7 @@ COMPILED_FAMILIES = {
 COMPILED_EXAMPLES = 40
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("family", sorted(COMPILED_FAMILIES))
 def test_fuzz_compiled_cpu(family):

@@ -97,6 +97,7 @@ class CountMLAOps(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------- generate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [2, 4])
 def test_generate_greedy_identical_to_hf_eager_v3(layers):
     """The acceptance case: random DeepSeek-V3, left-padded batch of 4, 64 new tokens, fp32 on CPU."""
@@ -480,6 +481,7 @@ def test_a_replayed_step_leaves_the_capacity_check_to_the_device():
 # ---------------------------------------------------------------------------------------------- compiled
 
 
+@pytest.mark.slow
 def test_generate_compiles_its_decode_step_on_our_cache():
     """What generate() does by itself on GPU (the cache is compileable): here forced on CPU, fullgraph."""
     torch._dynamo.reset()
@@ -586,6 +588,7 @@ def test_the_model_keeps_no_cache_between_forwards_and_two_caches_take_turns():
     assert gone() is None, "the model still holds a PagedMLACache after its forwards ended"
 
 
+@pytest.mark.slow
 def test_own_compiled_decode_loop_matches_hf_eager():
     torch._dynamo.reset()
     model = make_model("v2_yarn_no_qlora", first_k_dense_replace=2)  # dense: MoE under compile is covered above
@@ -601,6 +604,7 @@ def test_own_compiled_decode_loop_matches_hf_eager():
     assert any(d.backend == "reference" and d.problem.device_type == "cpu" for d in new), new
 
 
+@pytest.mark.slow
 def test_compiled_step_reads_kv_b_proj_only_as_w_uk_and_w_uv():
     """HF expands the latents update() returns; in a decode step nothing reads that expansion, so the
     compiled step drops it: kv_b_proj's weight appears in exactly two matmuls, the absorbed query (W_UK)
@@ -777,6 +781,7 @@ def test_errors_name_what_is_wrong(monkeypatch):
         hf.register()
 
 
+@pytest.mark.slow
 def test_transformers_imported_lazily_and_only_by_the_hf_modules():
     code = "import sys, mla_inductor, mla_inductor.lowering, mla_inductor.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -845,6 +850,7 @@ def test_gpu_fp8_cache_top1_agrees_with_bf16(fmt):
     assert decisive >= 0.95 and raw >= 0.85, (raw, decisive)
 
 
+@pytest.mark.slow
 def test_bench_generate_runs_as_a_cpu_smoke_test(tmp_path):
     """The GPU benchmark's script logic, at tiny sizes on CPU: every row runs and the results are written."""
     import json
@@ -861,6 +867,7 @@ def test_bench_generate_runs_as_a_cpu_smoke_test(tmp_path):
     assert set(data["ratios"]) == set(data["targets"]) and (tmp_path / "bench_generate.md").is_file()
 
 
+@pytest.mark.slow
 def test_bench_generate_trace_profiles_the_generate_row_only(tmp_path):
     """--trace adds torch.profiler's table to the generate-mla row; with other rows it is refused (a profiler
     session would slow them)."""

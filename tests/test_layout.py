@@ -276,6 +276,7 @@ def test_benchmarks_read_no_environment_and_edit_no_import_path():
         assert "os.environ" not in code and "getenv" not in code and "sys.path" not in code, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the benchmarks say without a GPU")
 @pytest.mark.parametrize("script", BENCHMARKS)
 def test_benchmarks_without_a_gpu_say_so_and_help_works(script):

@@ -60,6 +60,7 @@ def model_constants(case) -> tuple:
     return case.heads, case.q_per_seq, case.page_size, case.topk, case.fmt, case.q_dtype
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("group", sorted(COMPILED_GROUPS))
 def test_compiled_cpu(group):
@@ -238,6 +239,7 @@ def test_reference_edge_cases(name, fmt):
                       f"reference {name} {fmt}")
 
 
+@pytest.mark.slow
 @needs_triton_on_cpu
 @pytest.mark.usefixtures("one_thread_on_cpu")
 @pytest.mark.parametrize("name,fmt", EDGE_GRID, ids=EDGE_IDS)

@@ -129,6 +129,7 @@ def test_opcheck(causal):
     torch.library.opcheck(torch.ops.mla.prefill_attention.default, (q, k, v, 0.3, causal))
 
 
+@pytest.mark.slow
 def test_compiled_keeps_the_op_in_one_graph():
     q, k, v = hf_like_inputs(1, 16, **DEEPSEEK)
     torch._dynamo.reset()

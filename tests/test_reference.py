@@ -152,6 +152,7 @@ def test_unattended_memory_never_reaches_the_output_eager(variant, garbage, fmt)
         assert relative_error(lse, want_lse) < 1e-5, (table_fill, lse)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,variant", [("fp32", "dense_chunks"), ("bf16", "mtp_q3"), ("fp8_e4m3", "sparse"),
                                          ("fp8_ds_mla", "dense_chunks")])
 def test_unattended_memory_never_reaches_the_output_compiled(fmt, variant):

@@ -227,6 +227,7 @@ def test_fp8_ds_mla(ns):
     check(c, config=cfg(ns=ns), tol=TOL["ds"])
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("kv", ["same", "fp8", "ds"])
 @pytest.mark.parametrize("qk", ["swap", "reload", "trans"])
@@ -385,6 +386,7 @@ def test_value_errors():
         triton_paged_decode(**dict(c, block_table=c["block_table"].long()))
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("B,H,ns,tile,one_step", [
     (1, 16, 20, (32, 32), True),      # few (row, head) pairs: every split in one step, narrow column blocks
