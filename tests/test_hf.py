@@ -791,7 +791,7 @@ def test_transformers_imported_lazily_and_only_by_the_hf_modules():
     importers = [p.name for p in runtime if p.name not in allowed
                  and any(n == "transformers" or n.startswith("transformers.") for n in imported_modules(p))]
     assert not importers, f"only {sorted(allowed)} may import transformers, found {importers}"
-    # No runtime module imports the test helpers at import time (hf's deprecated alias does, when called).
+    # No runtime module imports the test helpers at import time.
     top_level = [p.name for p in runtime if p.name != "testing.py" and any(
         line.startswith(("from mla_inductor.testing", "import mla_inductor.testing")) for line in p.read_text().splitlines())]
     assert not top_level, top_level
