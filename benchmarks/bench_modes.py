@@ -730,15 +730,13 @@ AB_SWITCHES = (
 
 def tune_everything(varlen: bool) -> None:
     """Every decision of the run measured (``--tune``): every usable backend timed per new problem class on the
-    run's length distribution, in a fresh results directory unless ``$MLA_INDUCTOR_CACHE_DIR`` names one."""
-    import os
+    run's length distribution, in a fresh results directory (nothing stored by an earlier run is read)."""
     import tempfile
 
     from mla_inductor import tuning
 
-    os.environ[tuning.AUTOTUNE_ENV] = "all"
-    os.environ[tuning.LENGTHS_ENV] = "varied" if varlen else "equal"
-    os.environ.setdefault(tuning.CACHE_DIR_ENV, tempfile.mkdtemp(prefix="mla_inductor_tune_"))
+    tuning.configure(mode="all", lengths="varied" if varlen else "equal",
+                     cache_dir=tempfile.mkdtemp(prefix="mla_inductor_tune_"))
 
 
 def main(argv=None) -> None:

@@ -154,6 +154,17 @@ def version_counter(t: torch.Tensor) -> int:
     return t._version
 
 
+def current_compile() -> Optional[tuple[int, int, int]]:
+    """Which Dynamo compile is running, or None outside one: (the frame's id, that frame's compile number,
+    an id of this compile's tracing context), from ``torch._guards.CompileContext`` / ``TracingContext``."""
+    from torch._guards import CompileContext, TracingContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None:
+        return None
+    return compile_id.frame_id, compile_id.frame_compile_id, id(TracingContext.try_get())
+
+
 def real_tensors():
     """A context in which tensors are real even inside a fake-tensor trace (for measuring on the device
     while a fake impl runs): ``torch._subclasses.fake_tensor.unset_fake_temporarily``."""
@@ -370,13 +381,14 @@ _COMPILE_TIME_ERRORS: dict[type, type] = {}
 
 
 @contextlib.contextmanager
-def argument_errors_reach_the_user() -> Iterator[None]:
-    """Around a fake impl: an ``mla.``-prefixed ValueError / TypeError leaves it as a subclass that Dynamo
-    passes through unwrapped (see above). Outside a Dynamo trace nothing changes but the class."""
+def argument_errors_reach_the_user(any_message: bool = False) -> Iterator[None]:
+    """Around a fake impl: an ``mla.``-prefixed ValueError / TypeError (any, with ``any_message``: a refusal
+    raised from traced Python code of ours) leaves it as a subclass that Dynamo passes through unwrapped (see
+    above). Outside a Dynamo trace nothing changes but the class."""
     try:
         yield
     except (ValueError, TypeError) as e:
-        passing = _compile_time_error(type(e)) if str(e).startswith("mla.") else None
+        passing = _compile_time_error(type(e)) if any_message or str(e).startswith("mla.") else None
         if passing is None:
             raise
         raise passing(str(e)).with_traceback(e.__traceback__) from None

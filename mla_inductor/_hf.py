@@ -49,8 +49,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from mla_inductor._compat import mark_static_address
-from mla_inductor.cache import HOST_LENGTHS, PagedLatentCache, capacity_message, check_cache_positions
+from mla_inductor._compat import argument_errors_reach_the_user, mark_static_address
+from mla_inductor.cache import (HOST_LENGTHS, PagedLatentCache, capacity_message, check_cache_positions,
+                                check_cache_step)
 from mla_inductor.contract import being_captured
 from mla_inductor.prefill import prefill_attention
 
@@ -494,12 +495,16 @@ class PagedMLACache(Cache):
             positions = self.seq_lens[:, None].long() + torch.arange(Q, device=device)
         else:
             positions = self.seq_lens[:, None].long() + real.cumsum(-1) - 1
+        added = Q if real is None else real.sum(-1, dtype=torch.int32)
         if self._counted_on_device():
             # No host check runs in a compiled or captured step: the positions it writes are checked where
-            # they are (a ValueError on CPU, a device-side assert on GPUs), never wrapped onto the last slot.
-            positions = check_cache_positions(positions if real is None else torch.where(real, positions, -1),
-                                              self.max_seq_len, "PagedMLACache", "tokens")
-        self.seq_lens.add_(Q if real is None else real.sum(-1, dtype=torch.int32))
+            # they are (a ValueError on CPU, a device-side assert on GPUs), never wrapped onto the last slot,
+            # and the new lengths pass through the check, so a refused step advances none of them.
+            positions, lengths = check_cache_step(positions if real is None else torch.where(real, positions, -1),
+                                                  self.seq_lens + added, self.max_seq_len, "PagedMLACache", "tokens")
+            self.seq_lens.copy_(lengths)
+        else:
+            self.seq_lens.add_(added)
         self._new_slots = self._slots(positions, real)
 
     def _check_capacity(self, real: Optional[torch.Tensor], Q: int) -> None:
@@ -521,21 +526,24 @@ class PagedMLACache(Cache):
         first forward of a ``generate()`` call that does not continue the sequences a filled cache holds (its
         positions do not start at their lengths: a stale cache given a new prompt). Either leaves the cache
         as it was before this forward."""
-        if kwargs.get("use_cache") is False:
+        position_ids = kwargs.get("position_ids")
+        if (kwargs.get("use_cache") is False and Q > 1 and not self._prompt_forward
+                and (self._counted_on_device() or position_ids is None
+                     or not self._continues(attention_mask, B, Q, position_ids))):
+            # A layer's use_cache is not always the model's (some models' layers default it to False): refused is
+            # a forward of several tokens that does not continue the cached ones (read on the host in this case
+            # alone; a compiled step, which cannot read it, is refused on the flag and the token count).
             self._abandon_forward(Q)
-            raise ValueError("PagedMLACache: the forward runs with use_cache=False, which feeds the whole sequence "
-                             "again at every step while the cache keeps every token it is given; generate with "
-                             "use_cache=True (the default), or without a PagedMLACache")
+            with argument_errors_reach_the_user(any_message=True):  # the same ValueError from a compiled step
+                raise ValueError("PagedMLACache: the forward runs with use_cache=False, which feeds the whole "
+                                 "sequence again at every step while the cache keeps every token it is given; "
+                                 "generate with use_cache=True (the default), or without a PagedMLACache")
         if not self._generate_call_begins:
             return
         self._generate_call_begins = False
-        position_ids = kwargs.get("position_ids")
         if self._prompt_forward or position_ids is None or self._counted_on_device():
             return  # an empty cache: nothing to continue (compiled: no host read; never a generate's first forward)
-        real = self._real_new_tokens(attention_mask, B, Q)
-        count = torch.full((B,), Q, device=self.seq_lens.device) if real is None else real.sum(-1)
-        last = position_ids.to(self.seq_lens.device).expand(B, Q)[:, -1].long()
-        if bool(((count == 0) | (last == self.seq_lens.long() + count - 1)).all()):
+        if self._continues(attention_mask, B, Q, position_ids):
             return
         held = self.seq_lens.tolist()
         self._abandon_forward(Q)
@@ -544,6 +552,13 @@ class PagedMLACache(Cache):
             "input does not continue them (transformers continues a cache only when input_ids, or the attention "
             "mask, span the cached tokens followed by the new ones); call cache.reset() before generating for "
             "new prompts")
+
+    def _continues(self, attention_mask: Optional[torch.Tensor], B: int, Q: int, position_ids) -> bool:
+        """Whether this forward's new tokens follow the tokens each sequence holds (a host read)."""
+        real = self._real_new_tokens(attention_mask, B, Q)
+        count = torch.full((B,), Q, device=self.seq_lens.device) if real is None else real.sum(-1)
+        last = position_ids.to(self.seq_lens.device).expand(B, Q)[:, -1].long()
+        return bool(((count == 0) | (last == self.seq_lens.long() + count - 1)).all())
 
     def _abandon_forward(self, Q: int) -> None:
         """Undo what the forward in progress changed (its first layer's ``update``: nothing was written yet)."""

@@ -266,6 +266,28 @@ def _(positions, max_seq_len, cache, counted):
     return torch.empty_like(positions)
 
 
+def check_cache_step(positions: torch.Tensor, lengths: torch.Tensor, max_seq_len: int, cache: str,
+                     counted: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``check_cache_positions`` for a step that also advances its lengths: returns the checked positions and
+    ``lengths`` (the lengths after the step) passed through the check, so that the write of the new lengths
+    depends on it and no schedule advances them before a refusal."""
+    if positions.device.type == "cpu":
+        return torch.ops.mla.checked_cache_step(positions, lengths, max_seq_len, cache, counted)
+    return assert_cache_positions(positions, max_seq_len, cache, counted), lengths
+
+
+@torch.library.custom_op("mla::checked_cache_step", mutates_args=())
+def checked_cache_step(positions: torch.Tensor, lengths: torch.Tensor, max_seq_len: int, cache: str,
+                       counted: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU form of ``check_cache_step`` (see ``checked_cache_positions``)."""
+    return checked_cache_positions(positions, max_seq_len, cache, counted), lengths.clone()
+
+
+@checked_cache_step.register_fake
+def _(positions, lengths, max_seq_len, cache, counted):
+    return torch.empty_like(positions), torch.empty_like(lengths)
+
+
 def _check_count(name: str, value, least: Optional[int]) -> int:
     """``value`` as an int: TypeError unless it is an integer (a bool is not), ValueError below ``least``."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):

@@ -190,7 +190,8 @@ def explain_refused_decode_args(*args, op: str = "paged_decode", **kwargs) -> No
     named = dict(zip(OP_ARG_NAMES, args), **kwargs)
     kv_scale, q_scale = named.get("kv_scale"), named.get("q_scale")
     if "kv_scale" in named and not isinstance(kv_scale, torch.Tensor):
-        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element ({KV_SCALE_FORM}), got "
+        fail(op, TypeError, f"kv_scale must be a float32 tensor with one element ({KV_SCALE_FORM} on q_nope's "
+              f"device), got "
               f"{type(kv_scale).__name__} {kv_scale!r}")
     if q_scale is not None and not isinstance(q_scale, torch.Tensor):
         fail(op, TypeError, f"q_scale must be None or a float32 tensor with one element (the static per-tensor "

@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from mla_inductor._compat import argument_errors_reach_the_user, current_cuda_device, tensor_properties_check
+from mla_inductor._compat import (argument_errors_reach_the_user, current_compile, current_cuda_device,
+                                  tensor_properties_check)
 from mla_inductor._library import define_op, refuse_autograd
 from mla_inductor._memo import Memo
 from mla_inductor.contract import (
@@ -192,18 +193,17 @@ def _few_scales_per_compiled_function(args: tuple, op: str) -> None:
     function every call until Dynamo's recompile limit fails with an error that names nothing of ours. The
     first value past ``SCALES_PER_COMPILED_FUNCTION`` raises instead, saying what to do; the values compiled
     before keep running."""
-    from torch._guards import CompileContext, TracingContext
-
-    compile_id = CompileContext.current_compile_id()
+    compiling = current_compile()
     scale = args[5]
-    if compile_id is None or type(scale) is not float:
+    if compiling is None or type(scale) is not float:
         return
-    key = (compile_id.frame_id, op, *((str(a.shape), a.dtype, a.device) for a in args if isinstance(a, Tensor)))
+    frame_id, frame_compile_id, tracing_id = compiling
+    key = (frame_id, op, *((str(a.shape), a.dtype, a.device) for a in args if isinstance(a, Tensor)))
     compiles = _COMPILED_SCALES.setdefault(key, {})
-    this_compile = (compile_id.frame_compile_id, id(TracingContext.try_get()))
-    if compile_id.frame_compile_id == 0 and this_compile not in compiles:
+    this_compile = (frame_compile_id, tracing_id)
+    if frame_compile_id == 0 and this_compile not in compiles:
         compiles.clear()  # a frame's first compile: what its id held before a torch._dynamo.reset() is gone
-    earlier = set().union(*(scales for (c, _), scales in compiles.items() if c < compile_id.frame_compile_id))
+    earlier = set().union(*(scales for (c, _), scales in compiles.items() if c < frame_compile_id))
     if len(earlier) >= SCALES_PER_COMPILED_FUNCTION and scale not in earlier:
         fail(op, ValueError, f"softmax_scale changes between calls of one compiled function (compiled for "
              f"{', '.join(map(str, sorted(earlier)))}; now {scale}): torch.compile specializes a float argument on "

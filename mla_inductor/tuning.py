@@ -91,6 +91,7 @@ TESTED_VERSIONS: dict[str, str] = {
 FILE_FORMAT = 1  # the version of the JSON layout below
 
 _local = threading.local()
+_configured: dict[str, str] = {}  # configure(): process-wide settings over the environment
 _mode_env = environment_reader(AUTOTUNE_ENV)
 _lengths_env = environment_reader(LENGTHS_ENV)
 
@@ -149,11 +150,27 @@ Timer = Callable[[DecodeProblem, ProgramShape, Sequence[str], object], Mapping[s
 
 # ----------------------------------------------------------------------------- when it is on
 
+def configure(*, mode: Optional[str] = None, lengths: Optional[str] = None,
+              cache_dir: Optional[str] = None) -> None:
+    """Settings for the whole process that take precedence over the environment (a benchmark's or a tool's
+    flags): ``mode`` one of ``MODES``, ``lengths`` one of ``LENGTHS``, ``cache_dir`` the results' folder."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"configure(mode={mode!r}): expected one of {', '.join(MODES)}")
+    if lengths is not None and lengths not in LENGTHS:
+        raise ValueError(f"configure(lengths={lengths!r}): expected one of {', '.join(LENGTHS)}")
+    for key, value in (("mode", mode), ("lengths", lengths), ("cache_dir", cache_dir)):
+        if value is not None:
+            _configured[key] = value
+
+
 def requested_mode() -> str:
-    """``autotuning(...)`` if active, else ``$MLA_INDUCTOR_AUTOTUNE`` ("auto" when unset): one of ``MODES``."""
+    """``autotuning(...)`` if active, else ``configure(mode=...)``, else ``$MLA_INDUCTOR_AUTOTUNE`` ("auto"
+    when unset): one of ``MODES``."""
     forced = getattr(_local, "forced", None)
     if forced is not None:
         return forced
+    if "mode" in _configured:
+        return _configured["mode"]
     value = (_mode_env() or "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"${AUTOTUNE_ENV}={value!r}: expected one of {', '.join(MODES)} (unset means auto)")
@@ -224,7 +241,7 @@ def timing_allowed(device_type: str, capability) -> bool:
 
 def lengths() -> str:
     """The length distribution timed: ``$MLA_INDUCTOR_TUNE_LENGTHS`` ("varied", the default, or "equal")."""
-    value = (_lengths_env() or "varied").strip().lower()
+    value = _configured.get("lengths") or (_lengths_env() or "varied").strip().lower()
     if value not in LENGTHS:
         raise ValueError(f"${LENGTHS_ENV}={value!r}: expected one of {', '.join(LENGTHS)}")
     return value
@@ -305,7 +322,7 @@ def class_key(problem: DecodeProblem, context: Optional[CallContext], mode: str)
 
 def cache_dir() -> Path:
     """``$MLA_INDUCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/mla_inductor``, else ``~/.cache/mla_inductor``."""
-    explicit = os.environ.get(CACHE_DIR_ENV)
+    explicit = _configured.get("cache_dir") or os.environ.get(CACHE_DIR_ENV)
     if explicit:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
