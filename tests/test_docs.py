@@ -110,3 +110,13 @@ def test_docs_are_a_guide_not_a_log():
     cited = [f"{p.relative_to(ROOT)}:{n}" for p in sources for n, line in enumerate(p.read_text().splitlines(), 1)
              if NOTEBOOK.search(line) and p.name != "test_docs.py"]
     assert not cited, cited
+
+
+def test_every_link_into_the_results_page_names_an_anchor_it_has():
+    page = (ROOT / "docs" / "results.md").read_text()
+    anchors = set(re.findall(r'<a id="([a-z0-9-]+)"></a>', page))
+    texts = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
+             *(p for d in ("mla_inductor", "lowering", "benchmarks", "tests", "examples") for p in (ROOT / d).rglob("*.py"))]
+    missing = [f"{p.relative_to(ROOT)}: #{a}" for p in texts for a in re.findall(r"results\.md#([a-z0-9-]+)", p.read_text())
+               if a not in anchors]
+    assert not missing, missing
