@@ -13,8 +13,8 @@ Three program shapes (``tuning.ProgramShape.kind``, the kinds the selection tabl
 
 Lengths are a serving batch's (``shape.varied``: drawn in [seq_len / 8, seq_len], fixed seed) or all equal.
 Rounds alternate between the backends (a drift of the host's speed favours none); each backend's first round
-also compiles its kernels and is not kept. Past ``tuning.BUDGET_S`` seconds for the class, no round starts after
-the ``tuning.MIN_ROUNDS``-th.
+also compiles its kernels and is not kept. Past ``BUDGET_S`` seconds for the class, no round starts after
+the ``MIN_ROUNDS``-th.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from mla_inductor.backends import get_backend
 from mla_inductor.cache import encode_tokens, fp8_scale_for, register_host_lengths
 from mla_inductor.contract import DecodeProblem
 from mla_inductor.selection import CAPTURED_STEP, ONE_CALL_GRAPH, CallContext, prefer_backends
+
+ROUNDS = 7  # timed rounds per backend (interleaved across backends); the median of each is kept
+MIN_ROUNDS = 3  # ... fewer (not below this) where a class's timing has spent BUDGET_S
+BUDGET_S = 4.0  # seconds a new problem class may spend being timed, its backends' first runs included
 
 TARGET_MS = 2.0  # each timed round repeats its step until about this long (bounded by MAX_REPEATS)
 MAX_REPEATS = 50
@@ -233,9 +237,8 @@ def _repeats(step: Callable[[], object]) -> int:
 
 def time_backends(problem: DecodeProblem, shape, names: Sequence[str], device,
                   rounds: Optional[int] = None) -> Mapping[str, object]:
-    """Each backend's microseconds per call in each of ``rounds`` rounds (``tuning.ROUNDS``) of ``shape``, or
+    """Each backend's microseconds per call in each of ``rounds`` rounds (``ROUNDS``) of ``shape``, or
     why it could not run (a string)."""
-    from mla_inductor.tuning import BUDGET_S, MIN_ROUNDS, ROUNDS
 
     rounds = rounds or ROUNDS
     started = time.perf_counter()

@@ -50,6 +50,7 @@ from packaging.version import InvalidVersion, Version
 from mla_inductor import backends
 from mla_inductor._compat import environment_reader
 from mla_inductor.contract import DecodeProblem
+from mla_inductor.timing import BUDGET_S, MIN_ROUNDS, ROUNDS  # noqa: F401  (the timing's bounds, read here too)
 from mla_inductor.selection import (
     ONE_CALL_GRAPH,
     CallContext,
@@ -71,9 +72,6 @@ LENGTHS = ("varied", "equal")
 
 # Backends whose times differ by less than this fraction of the fastest are tied: the table's order decides.
 TIE = 0.03
-ROUNDS = 7  # timed rounds per backend (interleaved across backends); the median of each is kept
-MIN_ROUNDS = 3  # ... fewer (not below this) where a class's timing has spent BUDGET_S
-BUDGET_S = 4.0  # seconds a new problem class may spend being timed, its backends' first runs included
 CALLS_PER_STEP = 8  # calls sharing one plan in a timed multi-call step (each on its own query and cache)
 SEQ_LEN = 4096  # the longest sequence of a timed batch; varied lengths are drawn in [SEQ_LEN / 8, SEQ_LEN]
 TOP_CLASS_BATCH = 128  # the batch timed for the class above every batch limit of the table
