@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import mla_inductor.merge  # noqa: F401  (registers mla.merge_attn_states_n)
 from mla_inductor import _compat
 from mla_inductor.backends._common import tensor_state
 from mla_inductor.cache import (PagedLatentCache, cache_dtype, fp8_scale_for, host_lengths, register_host_lengths,

@@ -50,7 +50,6 @@ from packaging.version import InvalidVersion, Version
 from mla_inductor import backends
 from mla_inductor._compat import environment_reader
 from mla_inductor.contract import DecodeProblem
-from mla_inductor.timing import BUDGET_S, MIN_ROUNDS, ROUNDS  # noqa: F401  (the timing's bounds, read here too)
 from mla_inductor.selection import (
     ONE_CALL_GRAPH,
     CallContext,
